@@ -1,0 +1,49 @@
+"""Kernel benchmark: every op forward and backward against eager PyTorch and torch.compile.
+
+Run on a GPU:  python -m benchmarks.bench_kernels [--out DIR]
+Writes ``kernels-<gpu>-<date>.json`` with the measured copy bandwidth and one row per
+(op, shape, impl, pass): time, bytes counted, GB/s and the fraction of copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import torch
+
+from benchmarks.harness import copy_bandwidth_gbs, environment, write_results
+
+FAMILIES = ["glu", "rms_norm", "rope", "cross_entropy"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--only", nargs="*", default=FAMILIES, help="families to run")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
+    rows = []
+    for fam in args.only:
+        try:
+            mod = importlib.import_module(f"benchmarks.kernels_{fam}")
+        except ImportError as e:
+            print(f"skip {fam}: {e}")
+            continue
+        fam_rows = mod.run(copy_gbs)
+        rows += fam_rows
+        for r in fam_rows:
+            if "error" in r:
+                print(f"{r['op']:>22} {r['shape']:>16} {r['impl']:>12} ERROR {r['error']}")
+            else:
+                print(f"{r['op']:>22} {r['shape']:>16} {r['impl']:>12} {r['pass']} {r['ms']:8.3f} ms "
+                      f"{r['gbs']:7.0f} GB/s {100 * r['frac_copy_bw']:5.1f}%")
+    gpu = environment()["gpu"].replace(" ", "_")
+    path = write_results(f"kernels-{gpu}-{environment()['date']}", {"copy_gbs": copy_gbs, "rows": rows}, args.out)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

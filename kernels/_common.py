@@ -1,0 +1,73 @@
+"""Plumbing shared by every kernel family: when Triton runs, launch sizing, dtype helpers.
+
+Dispatch rule (one place, used by every public op):
+
+* CUDA tensors always run the Triton kernels.
+* CPU tensors run the pure-PyTorch reference, unless ``TRITON_INTERPRET=1`` was set before
+  ``kernels`` was imported; then the Triton kernels themselves run through Triton's interpreter.
+  That is how the CPU test-suite and CI exercise the real kernel code.
+
+Every op is registered as a ``torch.library.triton_op`` in the ``ligermodels`` namespace, so
+``torch.compile`` sees it as one opaque custom op (no graph break) while Inductor still knows it
+launches Triton kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+#: True when Triton kernels run on the CPU through the interpreter (read once, at import).
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+#: Namespace of every custom op this package registers (``torch.ops.ligermodels.*``).
+LIB = "ligermodels"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on ``x`` runs the Triton kernels (True) or the PyTorch reference (False)."""
+    if x.device.type == "cuda":
+        return True
+    return INTERPRET and x.device.type == "cpu"
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reference computes in: float32, or float64 when the input is float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def row_block(n: int) -> int:
+    """Power-of-two block covering a row of ``n`` elements (Triton blocks must be powers of two)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def row_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel: enough threads to issue 16-byte loads over the row."""
+    if block >= 16384:
+        return 16
+    if block >= 4096:
+        return 8
+    if block >= 1024:
+        return 4
+    return 2 if block >= 256 else 1
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as (rows, last_dim) with a unit last stride, copying only if it cannot be viewed."""
+    if x.dim() == 0:
+        raise ValueError("expected a tensor with at least one dimension")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-1])
+
+
+def check_same_device(*tensors: torch.Tensor) -> None:
+    """Raise a clear error when tensors of one op live on different devices."""
+    devs = {t.device for t in tensors if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")

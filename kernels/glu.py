@@ -1,0 +1,180 @@
+"""Gated linear units: ``swiglu`` = silu(gate) * up and ``geglu`` = gelu(gate) * up.
+
+One elementwise kernel pair serves both (the activation is a compile-time switch), forward and
+backward. The math runs in fp32 and is rounded once to the output dtype. The backward pass
+recomputes the activation from ``gate`` instead of saving it, so the op keeps only its two inputs
+alive for backward.
+
+Inputs may be two tensors of shape (..., I) or one packed tensor (..., 2*I) from a fused gate+up
+projection (gate first). For the packed form the gradient comes back packed too, written by the
+kernel straight into one (..., 2*I) buffer: no split, no concatenation.
+
+Bytes moved (the fewest the op must move), for M rows of I elements of s bytes:
+forward 3*M*I*s (read gate, up; write out), backward 5*M*I*s (read dout, gate, up; write dgate, dup).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from kernels._common import LIB, as_rows, compute_dtype, use_triton
+
+SILU, GELU_TANH, GELU_ERF = 0, 1, 2
+_GELU_MODES = {"tanh": GELU_TANH, "none": GELU_ERF}
+_BLOCK = 1024  # 4 warps x 32 threads x 8 elements: 16-byte loads in bf16
+
+
+# --------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _activation(g, ACT: tl.constexpr):
+    """Return (act(g), act'(g)) in fp32."""
+    if ACT == 0:  # silu
+        s = tl.sigmoid(g)
+        a = g * s
+        da = s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:  # gelu, tanh approximation; tanh(x) = 2*sigmoid(2x) - 1
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        a = 0.5 * g * (1.0 + t)
+        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+    else:  # exact gelu
+        e = tl.erf(g * 0.7071067811865476)
+        a = 0.5 * g * (1.0 + e)
+        da = 0.5 * (1.0 + e) + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    return a, da
+
+
+@triton.jit
+def _glu_fwd_kernel(g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols,
+                    ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _activation(g, ACT)
+    tl.store(o_ptr + row * stride_o + cols, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, stride_do, stride_g, stride_u, stride_dg,
+                    stride_du, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    do = tl.load(do_ptr + row * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    a, da = _activation(g, ACT)
+    tl.store(dg_ptr + row * stride_dg + cols, (do * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + row * stride_du + cols, (do * a).to(du_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------ custom ops
+def _grid(rows: int, cols: int) -> tuple[int, int]:
+    return (rows, triton.cdiv(cols, _BLOCK))
+
+
+@triton_op(f"{LIB}::glu_fwd", mutates_args={})
+def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    g2, u2 = as_rows(gate), as_rows(up)
+    rows, cols = g2.shape
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel() > 0:
+        o2 = out.view(rows, cols)
+        wrap_triton(_glu_fwd_kernel)[_grid(rows, cols)](
+            g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), cols, ACT=act, BLOCK=_BLOCK, num_warps=4)
+    return out
+
+
+@triton_op(f"{LIB}::glu_bwd", mutates_args={})
+def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, packed: bool) -> torch.Tensor:
+    """Gradients of gate and up: one (rows, 2*I) buffer when ``packed``, else a (2, rows, I) buffer."""
+    d2, g2, u2 = as_rows(dout), as_rows(gate), as_rows(up)
+    rows, cols = g2.shape
+    if packed:
+        buf = torch.empty(rows, 2 * cols, dtype=gate.dtype, device=gate.device)
+        dg, du = buf[:, :cols], buf[:, cols:]
+    else:
+        buf = torch.empty(2, rows, cols, dtype=gate.dtype, device=gate.device)
+        dg, du = buf[0], buf[1]
+    if rows * cols > 0:
+        wrap_triton(_glu_bwd_kernel)[_grid(rows, cols)](
+            d2, g2, u2, dg, du, d2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0), cols,
+            ACT=act, BLOCK=_BLOCK, num_warps=4)
+    return buf
+
+
+class GLUFunction(torch.autograd.Function):
+    """Autograd wrapper: ``forward(gate, up, act)``, with ``up=None`` meaning ``gate`` is packed (..., 2*I)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
+        packed = up is None
+        gate, up = _split(x) if packed else (x, up)
+        ctx.save_for_backward(gate, up)
+        ctx.act, ctx.packed = act, packed
+        return _glu_fwd(gate, up, act)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        buf = _glu_bwd(dout, gate, up, ctx.act, ctx.packed)
+        if ctx.packed:
+            return buf.view(*gate.shape[:-1], 2 * gate.shape[-1]), None, None
+        return buf[0].view(gate.shape), buf[1].view(up.shape), None
+
+
+# ------------------------------------------------------------------------------------- reference
+def glu_reference(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
+    """Pure-PyTorch GLU in fp32 (fp64 for fp64 inputs), rounded once to the input dtype."""
+    if up is None:
+        gate, up = _split(gate)
+    cd = compute_dtype(gate.dtype)
+    g, u = gate.to(cd), up.to(cd)
+    if act == SILU:
+        a = F.silu(g)
+    else:
+        a = F.gelu(g, approximate="tanh" if act == GELU_TANH else "none")
+    return (a * u).to(gate.dtype)
+
+
+# ---------------------------------------------------------------------------------------- public
+def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.shape[-1] % 2:
+        raise ValueError(f"a packed gate+up tensor needs an even last dim, got shape {tuple(x.shape)}")
+    return x.chunk(2, dim=-1)
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
+    if up is not None and gate.shape != up.shape:
+        raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if not use_triton(gate):
+        return glu_reference(gate, up, act)
+    return GLUFunction.apply(gate, up, act)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up``.
+
+    Args:
+        gate: (..., I), or the packed (..., 2*I) output of a fused gate+up projection when ``up`` is None.
+        up: (..., I) or None.
+    Returns:
+        (..., I) in the input dtype.
+    """
+    return _glu(gate, up, SILU)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh") -> torch.Tensor:
+    """``gelu(gate, approximate) * up`` with ``approximate`` "tanh" (Gemma's) or "none" (erf).
+
+    Shapes as in :func:`swiglu`.
+    """
+    if approximate not in _GELU_MODES:
+        raise ValueError(f"geglu: approximate must be 'tanh' or 'none', got {approximate!r}")
+    return _glu(gate, up, _GELU_MODES[approximate])
