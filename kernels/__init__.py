@@ -4,9 +4,18 @@ Every public op runs its Triton kernels on CUDA tensors, and on CPU tensors runs
 reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET=1``
 (see :mod:`kernels._common`). Every op is a ``torch.library`` custom op, so it composes with
 ``torch.compile`` without graph breaks. Inputs are never modified.
+
+- :mod:`kernels.rms_norm`: ``rms_norm``, ``fused_add_rms_norm``
+- :mod:`kernels.rope`: ``apply_rope``
+- :mod:`kernels.glu`: ``swiglu``, ``geglu``
+- :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
 """
 
 from kernels._common import INTERPRET, use_triton
+from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from kernels.glu import geglu, swiglu
+from kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kernels.rope import apply_rope
 
-__all__ = ["INTERPRET", "use_triton", "swiglu", "geglu"]
+__all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "apply_rope", "swiglu", "geglu",
+           "cross_entropy", "fused_linear_cross_entropy"]

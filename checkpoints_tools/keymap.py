@@ -1,0 +1,80 @@
+"""Checkpoint key maps: Hugging Face tensor names <-> native parameter names, as data.
+
+A map is a table from a native name template to the HF name templates it is made of, with
+``{i}`` standing for the layer index. A native tensor with several HF parts is their
+concatenation along dim 0 in the listed order (q, k, v -> the fused qkv projection; gate, up ->
+the fused gate_up projection). The inverse (native -> HF parts, for saving) is derived from the
+same table and the part sizes below; nothing is written twice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from ligermodels.config import DecoderConfig
+
+_L = "model.layers.{i}"
+
+STANDARD: dict[str, tuple[str, ...]] = {
+    "embed.weight": ("model.embed_tokens.weight",),
+    "norm.weight": ("model.norm.weight",),
+    "head.weight": ("lm_head.weight",),
+    "layers.{i}.attn_norm.weight": (f"{_L}.input_layernorm.weight",),
+    "layers.{i}.mlp_norm.weight": (f"{_L}.post_attention_layernorm.weight",),
+    "layers.{i}.attn.qkv.weight": tuple(f"{_L}.self_attn.{p}_proj.weight" for p in "qkv"),
+    "layers.{i}.attn.qkv.bias": tuple(f"{_L}.self_attn.{p}_proj.bias" for p in "qkv"),
+    "layers.{i}.attn.o.weight": (f"{_L}.self_attn.o_proj.weight",),
+    "layers.{i}.attn.o.bias": (f"{_L}.self_attn.o_proj.bias",),
+    "layers.{i}.mlp.gate_up.weight": (f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"),
+    "layers.{i}.mlp.gate_up.bias": (f"{_L}.mlp.gate_proj.bias", f"{_L}.mlp.up_proj.bias"),
+    "layers.{i}.mlp.down.weight": (f"{_L}.mlp.down_proj.weight",),
+    "layers.{i}.mlp.down.bias": (f"{_L}.mlp.down_proj.bias",),
+}
+
+# Phi-3 checkpoints store the projections already fused.
+PHI3 = {
+    **STANDARD,
+    "layers.{i}.attn.qkv.weight": (f"{_L}.self_attn.qkv_proj.weight",),
+    "layers.{i}.mlp.gate_up.weight": (f"{_L}.mlp.gate_up_proj.weight",),
+}
+
+KEYMAPS = {"standard": STANDARD, "phi3": PHI3}
+
+#: Sizes along dim 0 of the parts of a fused native tensor, by the native module it belongs to.
+PART_SIZES: dict[str, Callable[[DecoderConfig], list[int]]] = {
+    "attn.qkv": lambda c: [c.q_size, c.kv_size, c.kv_size],
+    "mlp.gate_up": lambda c: [c.intermediate_size, c.intermediate_size],
+}
+
+#: HF tensors that carry no parameters (recomputed buffers) and are skipped when present.
+IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def expand(table: dict[str, tuple[str, ...]], num_layers: int) -> dict[str, tuple[str, ...]]:
+    """Concrete native name -> HF names, with ``{i}`` expanded over the layers."""
+    out = {}
+    for native, parts in table.items():
+        layers = range(num_layers) if "{i}" in native else [None]
+        for i in layers:
+            out[native.format(i=i)] = tuple(p.format(i=i) for p in parts)
+    return out
+
+
+def part_sizes(native: str, config: DecoderConfig, n_parts: int, total: int) -> list[int]:
+    """Dim-0 sizes of the HF parts of native tensor ``native`` (whole tensor when it has one part)."""
+    if n_parts == 1:
+        return [total]
+    for module, sizes in PART_SIZES.items():
+        if f".{module}." in native:
+            return sizes(config)
+    raise KeyError(f"no part sizes known for fused tensor {native}")
+
+
+def native_to_hf(native_names: list[str], config: DecoderConfig, keymap: str) -> dict[str, tuple[str, ...]]:
+    """For the model's own parameter names, the HF names each is made of (inverse of loading)."""
+    table = expand(KEYMAPS[keymap], config.num_layers)
+    missing = [n for n in native_names if n not in table]
+    if missing:
+        raise KeyError(f"no checkpoint key mapping for native parameter(s) {missing[:5]}")
+    return {n: table[n] for n in native_names}

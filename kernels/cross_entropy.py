@@ -1,0 +1,652 @@
+"""Cross-entropy losses: ``cross_entropy`` over (N, V) logits, and ``fused_linear_cross_entropy``,
+the loss of ``hidden @ weight.T (+ bias)`` computed chunk by chunk so the (N, V) logits never exist.
+
+Per token, with logits ``x`` (one row of V), target ``y``, label smoothing ``eps`` and z-loss scale ``s``::
+
+    z    = softcap * tanh(x / softcap)                 # only when softcap is set (Gemma 2)
+    lse  = logsumexp(z)
+    loss = (1 - eps) * (lse - z[y]) + eps * (lse - mean(z)) + s * lse**2
+    d loss / d z = softmax(z) * (1 + 2*s*lse) - (1 - eps) * onehot(y) - eps / V
+
+(label smoothing as in ``torch.nn.functional.cross_entropy``, z-loss as in PaLM). Tokens whose target
+is ``ignore_index`` contribute 0 to the loss and get zero gradient. ``reduction="mean"`` divides by the
+number of non-ignored tokens (never by zero: all ignored gives loss 0 and zero gradients), or by
+``num_items`` when given; "sum" and "none" as usual. The loss comes back in float32 whatever the
+input dtype (the kernels compute it in fp32; rounding it to bf16 would only throw precision away).
+
+Targets outside [0, V) that are not ``ignore_index`` cannot be checked on the host without a
+device sync, so the kernels poison them instead: such a token's loss and gradient row are NaN
+(never a silently wrong finite value), and with ``TRITON_DEBUG=1`` (or in the interpreter) a device
+assert names the problem. The PyTorch reference raises an index error.
+
+Design (no host-device synchronisation anywhere, forward or backward):
+
+* ``cross_entropy``: the forward kernel reads each logits row once (online max / sum-exp, plus the
+  row sum for label smoothing) and keeps the per-row ``lse`` (N floats). The backward kernel reads
+  the row again and writes ``d logits`` scaled by the upstream gradient, which it reads through a
+  pointer (stride 0 for the 0-dim gradient of "mean"/"sum", per token for "none"). Bytes: forward
+  N*V*s, backward 2*N*V*s -- the fewest possible for an unfused loss.
+* ``fused_linear_cross_entropy``, "mean"/"sum": one pass over token chunks does everything in the
+  forward. Per chunk: ``logits = h @ W.T (+ b)`` into a reused (C, V) buffer; the CE kernel computes
+  the loss and writes ``d loss / d logits`` (already divided by the token count, read from device)
+  back into that same buffer; then ``dh[chunk] = dlogits @ W`` and ``dW += dlogits.T @ h`` with
+  **fp32 accumulation** (``torch.addmm(..., out_dtype=float32)`` into an fp32 (V, H) buffer on CUDA;
+  bf16 accumulation over many chunks is a known divergence cause), ``db += dlogits.sum(0)`` in fp32.
+  Backward only multiplies these by the incoming 0-dim gradient, on the device, in one Triton pass
+  that also casts the fp32 accumulators to the parameter dtype. No ``.item()``, no ``torch.equal``.
+* "none": the upstream gradient is per token, so the forward computes loss and ``lse`` only and the
+  backward recomputes the chunk logits and runs the same loop with the per-token gradient.
+* Chunk size: the largest C (a multiple of 256 when possible, balanced over the chunks) whose (C, V)
+  logits buffer fits ``FLCE_CHUNK_BUDGET_BYTES`` (1 GiB by default: C = 3328 at V = 152064 in bf16).
+  See :func:`flce_chunk_plan` for the predicted extra memory, including the fp32 weight-gradient
+  accumulator (4*V*H bytes), which does not depend on N.
+
+torch.compile: the kernel launchers are ``torch.library.triton_op`` ops; the FLCE chunk loop is a
+``torch.library.custom_op`` with a fake (meta) implementation, so Dynamo traces one opaque op per
+direction (no graph break, no specialisation on the number of chunks). Inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from kernels._common import LIB, compute_dtype, row_block, row_warps, use_triton
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+#: Largest block (elements of one row) a CE program loads at once; rows longer than this are looped over.
+CE_MAX_BLOCK: int = 4096
+#: Bytes the FLCE (C, V) logits chunk buffer may take; the chunk size C follows from it (and V, dtype).
+FLCE_CHUNK_BUDGET_BYTES: int = int(os.environ.get("LIGERMODELS_FLCE_CHUNK_BYTES", 1 << 30))
+#: When set, forces the FLCE chunk size (tokens per chunk); tests use it to run many chunks on small shapes.
+FLCE_CHUNK_SIZE: int | None = int(os.environ["LIGERMODELS_FLCE_CHUNK"]) if os.environ.get("LIGERMODELS_FLCE_CHUNK") else None
+_SCALE_BLOCK = 2048
+
+
+# --------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _softcap(x, cap):
+    """Return (cap * tanh(x / cap), 1 - tanh(x / cap)**2) in fp32.
+
+    tanh from exp alone (the interpreter has no libdevice): (1 - e) / (1 + e) with e = exp(-2|u|),
+    and its odd Taylor series below |u| = 0.25 where 1 - e would cancel. sech^2 = 4e / (1 + e)^2
+    keeps the derivative accurate where tanh is close to 1.
+    """
+    u = x / cap
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    a2 = a * a
+    small = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333
+                                                          + a2 * (-0.05396825396825397 + a2 * 0.021869488536155203))))
+    is_small = a < 0.25
+    t = tl.where(is_small, small, big)
+    dt = tl.where(is_small, 1.0 - t * t, 4.0 * e / ((1.0 + e) * (1.0 + e)))
+    t = tl.where(u < 0.0, -t, t)
+    return cap * t, dt
+
+
+@triton.jit
+def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_ptr, stride_g,
+               n_cols, ignore_index, eps, zscale, cap,
+               FWD: tl.constexpr, BWD: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+               ZLOSS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row (token) of V logits.
+
+    FWD: loop over the row once (online max and sum-exp), store loss[row] and lse[row].
+    Otherwise lse[row] is read. BWD: loop over the row again and store
+    dx[row] = g[row * stride_g] * d loss / d x (dx may be x itself: each element is read, then
+    overwritten, by the same program). All math in fp32.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y = tl.load(y_ptr + row).to(tl.int64)
+    valid = y != ignore_index
+    in_range = (y >= 0) & (y < n_cols)
+    tl.device_assert(in_range | (~valid), "cross_entropy: target out of [0, V) and not ignore_index")
+    bad = valid & (~in_range)
+    offs = tl.arange(0, BLOCK)
+
+    if FWD:
+        m = -float("inf")
+        s = 0.0
+        zsum = 0.0
+        for off in range(0, n_cols, BLOCK):
+            cols = off + offs
+            mask = cols < n_cols
+            z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                z, _ = _softcap(z, cap)
+            if SMOOTH:
+                zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+            z = tl.where(mask, z, -float("inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        # target logit, read before the gradient pass may overwrite the row in place
+        zy = tl.load(x_row + tl.where(valid & in_range, y, 0)).to(tl.float32)
+        if SOFTCAP:
+            zy, _ = _softcap(zy, cap)
+        loss = lse - (1.0 - eps) * zy
+        if SMOOTH:
+            loss -= eps * zsum / n_cols
+        if ZLOSS:
+            loss += zscale * lse * lse
+        loss = tl.where(valid, loss, 0.0)
+        loss = tl.where(bad, float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
+    else:
+        lse = tl.load(lse_ptr + row)
+
+    if BWD:
+        g = tl.load(g_ptr + row * stride_g).to(tl.float32)
+        coef = tl.where(valid, g, 0.0)
+        coef = tl.where(bad, float("nan"), coef)
+        coef_p = coef
+        if ZLOSS:
+            coef_p = coef * (1.0 + 2.0 * zscale * lse)
+        coef_y = (1.0 - eps) * coef
+        coef_s = eps / n_cols * coef
+        dx_row = dx_ptr + row * stride_dx
+        for off in range(0, n_cols, BLOCK):
+            cols = off + offs
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if SOFTCAP:
+                z, dz = _softcap(x, cap)
+            else:
+                z = x
+            d = tl.exp(z - lse) * coef_p - tl.where(cols == y, coef_y, 0.0)
+            if SMOOTH:
+                d -= coef_s
+            if SOFTCAP:
+                d *= dz
+            tl.store(dx_row + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr):
+    """dst = (src * g[0]) in dst's dtype, math in fp32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr).to(tl.float32)
+    x = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + offs, (x * g).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------ launching
+def _ce_block(n_cols: int) -> int:
+    return min(row_block(n_cols), CE_MAX_BLOCK)
+
+
+def _launch_ce(kernel, x, dx, target, loss, lse, g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd):
+    """Launch ``_ce_kernel`` (``kernel`` is it, or ``wrap_triton`` of it) over the rows of ``x`` (rows, V)."""
+    rows, n_cols = x.shape
+    block = _ce_block(n_cols)
+    kernel[(rows,)](
+        x, x.stride(0), dx, dx.stride(0), target, loss, lse, g, stride_g,
+        n_cols, ignore_index, eps, zscale, cap if cap else 1.0,
+        FWD=fwd, BWD=bwd, SOFTCAP=bool(cap), SMOOTH=eps != 0.0, ZLOSS=zscale != 0.0, BLOCK=block,
+        num_warps=row_warps(block))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(rows, V) with unit last stride (the kernels index rows by stride and columns by 1)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton_op(f"{LIB}::cross_entropy_fwd", mutates_args={})
+def _ce_fwd(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+            lse_square_scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss (N,) and logsumexp (N,), both fp32, of (N, V) logits (softcap 0 = off)."""
+    x = _rows(logits)
+    n = x.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n > 0 and x.shape[1] > 0:
+        _launch_ce(wrap_triton(_ce_kernel), x, loss.view(n, 1), target, loss, lse, lse, 0,
+                   ignore_index, label_smoothing, lse_square_scale, softcap, True, False)
+    return loss, lse
+
+
+@triton_op(f"{LIB}::cross_entropy_bwd", mutates_args={})
+def _ce_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, ignore_index: int,
+            label_smoothing: float, lse_square_scale: float, softcap: float) -> torch.Tensor:
+    """d(sum_i grad_i * loss_i) / d logits, in the logits dtype; ``grad`` is 0-dim (broadcast) or (N,)."""
+    x = _rows(logits)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if dx.numel() > 0:
+        _launch_ce(wrap_triton(_ce_kernel), x, dx, target, lse, lse, grad, grad.stride(0) if grad.dim() else 0,
+                   ignore_index, label_smoothing, lse_square_scale, softcap, False, True)
+    return dx
+
+
+@triton_op(f"{LIB}::scale_cast", mutates_args={})
+def _scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(src * g).to(dtype)`` for a contiguous ``src`` and a 0-dim ``g``, in one pass, math in fp32."""
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    n = src.numel()
+    if n > 0:
+        wrap_triton(_scale_cast_kernel)[(triton.cdiv(n, _SCALE_BLOCK),)](src, out, g, n, BLOCK=_SCALE_BLOCK,
+                                                                         num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------- chunk size planning
+class ChunkPlan(NamedTuple):
+    """How :func:`fused_linear_cross_entropy` splits N tokens, and the extra device memory it predicts.
+
+    ``extra_bytes`` is what the op allocates beyond its inputs and the final gradients it returns:
+    the (C, V) logits/dlogits chunk buffer, per-token fp32 loss and lse (8*N), the fp32 weight- and
+    bias-gradient accumulators (4*V*H + 4*V, independent of N), and, for "mean"/"sum", the hidden
+    gradient computed in the forward and held until backward scales it into a fresh tensor (N*H*s).
+    """
+
+    chunk_size: int
+    n_chunks: int
+    chunk_bytes: int
+    accum_bytes: int
+    held_grad_hidden_bytes: int
+    per_token_bytes: int
+    extra_bytes: int
+
+
+def _round_chunk(c: int) -> int:
+    """Round a chunk size down to a GEMM-friendly multiple (256 when large enough, else 16)."""
+    for m in (256, 16):
+        if c >= m:
+            return c - c % m
+    return max(c, 1)
+
+
+def flce_chunk_plan(n_tokens: int, hidden_size: int, vocab_size: int, dtype: torch.dtype = torch.bfloat16, *,
+                    grad_hidden: bool = True, grad_weight: bool = True, bias: bool = False,
+                    reduction: str = "mean", budget_bytes: int | None = None,
+                    chunk_size: int | None = None) -> ChunkPlan:
+    """Chunk size C for :func:`fused_linear_cross_entropy` and the extra bytes it will allocate.
+
+    C is the largest GEMM-friendly size whose (C, V) buffer in ``dtype`` fits ``budget_bytes``
+    (``FLCE_CHUNK_BUDGET_BYTES``, 1 GiB by default), then shrunk to balance the chunks (the same
+    number of chunks, as equal as possible). Larger chunks mean fewer read-modify-writes of the
+    fp32 (V, H) accumulator (8*V*H bytes per chunk), so the budget trades memory for speed. At
+    V = 152064, H = 4096, bf16: C = 3328, chunk buffer 0.94 GiB, accumulator 2.3 GiB.
+    """
+    n, h, v = int(n_tokens), int(hidden_size), int(vocab_size)
+    s = torch.empty((), dtype=dtype).element_size()
+    forced = chunk_size if chunk_size is not None else FLCE_CHUNK_SIZE
+    if forced is not None:
+        c = max(1, min(int(forced), max(n, 1)))
+    else:
+        budget = FLCE_CHUNK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+        c_max = _round_chunk(max(budget // max(v * s, 1), 1))
+        if n <= c_max:
+            c = max(n, 1)
+        else:
+            k = triton.cdiv(n, c_max)
+            c = min(c_max, triton.cdiv(triton.cdiv(n, k), 256) * 256) if c_max >= 256 else c_max
+    n_chunks = triton.cdiv(n, c) if n > 0 else 0
+    chunk_bytes = min(c, n) * v * s if n > 0 else 0
+    any_grad = grad_hidden or grad_weight or bias
+    accum = (4 * v * h if grad_weight else 0) + (4 * v if bias else 0)
+    held = n * h * s if (grad_hidden and reduction != "none") else 0
+    per_token = 8 * n
+    extra = chunk_bytes + per_token + (accum + held if any_grad else 0)
+    return ChunkPlan(c, n_chunks, chunk_bytes, accum if any_grad else 0, held if any_grad else 0, per_token, extra)
+
+
+# -------------------------------------------------------------------------------- FLCE chunk loop
+_ADDMM_OUT_DTYPE_OK: bool | None = None  # learnt on first use: does torch.addmm(..., out_dtype=fp32) work here?
+
+
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and the products accumulated in fp32 for any input dtype.
+
+    fp32 inputs: ``addmm_``. bf16/fp16 on CUDA: ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)``
+    -- one cuBLAS GEMM with fp32 output and beta = 1, i.e. the bf16 products of this chunk are summed
+    in fp32 and added to the fp32 accumulator with no intermediate rounding to bf16 (torch >= 2.10
+    accepts an fp32 ``self`` there). Elsewhere (CPU, or a torch where that overload refuses), the
+    operands are upcast first: bf16 -> fp32 is exact, so the result is the same fp32 accumulation.
+    """
+    global _ADDMM_OUT_DTYPE_OK
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if acc.device.type == "cuda" and _ADDMM_OUT_DTYPE_OK is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _ADDMM_OUT_DTYPE_OK = True
+            return
+        except (RuntimeError, TypeError):  # argument checks only: raised on the host, before any launch
+            if _ADDMM_OUT_DTYPE_OK:
+                raise
+            _ADDMM_OUT_DTYPE_OK = False
+    acc.addmm_(a.float(), b.float())
+
+
+def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+               g: torch.Tensor, lse_in: torch.Tensor | None, ignore_index: int, eps: float, zscale: float,
+               cap: float, want_h: bool, want_w: bool, want_b: bool):
+    """The chunk loop shared by forward ("mean"/"sum": loss + gradients; "none": loss) and backward ("none").
+
+    ``g``: 0-dim (the 1/count scale) or (N,) per-token upstream gradient; ``lse_in``: per-token lse when
+    recomputing in backward (skips the loss pass), else None. Returns (loss (N,) fp32, lse (N,) fp32,
+    dh (N, H) hidden dtype, dW (V, H) fp32, db (V,) fp32), with (0,) placeholders for what is not asked.
+    """
+    n, h_size = hidden.shape
+    v = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    fwd = lse_in is None
+    bwd = want_h or want_w or want_b
+    f32 = dict(dtype=torch.float32, device=dev)
+    # every output is a fresh tensor (custom ops may not return aliases), (0,) when not asked for
+    loss = torch.empty(n if fwd else 0, **f32)
+    lse = torch.empty(n, **f32) if fwd else lse_in
+    dh = torch.empty((n, h_size) if want_h else (0,), dtype=dt, device=dev)
+    dw = torch.zeros((v, h_size) if want_w else (0,), **f32)
+    db = torch.zeros(v if want_b else 0, **f32)
+    if n == 0:
+        return loss, lse, dh, dw, db
+    c = flce_chunk_plan(n, h_size, v, dt).chunk_size
+    buf = torch.empty(min(c, n), v, dtype=dt, device=dev)
+    wt = weight.t()
+    per_token_g = g.dim() == 1
+    stride_g = g.stride(0) if per_token_g else 0
+    for s in range(0, n, c):
+        e = min(s + c, n)
+        hc, logits = hidden[s:e], buf[: e - s]
+        if bias is None:
+            torch.mm(hc, wt, out=logits)
+        else:
+            torch.addmm(bias, hc, wt, out=logits)
+        _launch_ce(_ce_kernel, logits, logits, target[s:e], loss[s:e] if fwd else lse, lse[s:e],
+                   g[s:e] if per_token_g else g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd)
+        if want_h:
+            torch.mm(logits, weight, out=dh[s:e])
+        if want_w:
+            _accumulate_fp32(dw, logits.t(), hc)
+        if want_b:
+            db += logits.sum(0, dtype=torch.float32)
+    return loss, lse, dh, dw, db
+
+
+def _placeholder_outputs(hidden, weight, target, lse_given, want_h, want_w, want_b):
+    n, h_size = target.numel(), hidden.shape[-1]
+    v = weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    return (hidden.new_empty(n if not lse_given else 0, **f32), hidden.new_empty(n, **f32),
+            hidden.new_empty((n, h_size) if want_h else (0,)),
+            hidden.new_empty((v, h_size) if want_w else (0,), **f32), hidden.new_empty(v if want_b else 0, **f32))
+
+
+@torch.library.custom_op(f"{LIB}::flce_fwd", mutates_args=())
+def _flce_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+              scale: torch.Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float,
+              softcap: float, want_h: bool, want_w: bool, want_b: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FLCE forward: (loss (N,), lse (N,), dh, dW fp32, db fp32); gradients of sum_i scale * loss_i."""
+    return _flce_loop(hidden, weight, bias, target, scale, None, ignore_index, label_smoothing, lse_square_scale,
+                      softcap, want_h, want_w, want_b)
+
+
+@_flce_fwd.register_fake
+def _(hidden, weight, bias, target, scale, ignore_index, label_smoothing, lse_square_scale, softcap,
+      want_h, want_w, want_b):
+    return _placeholder_outputs(hidden, weight, target, False, want_h, want_w, want_b)
+
+
+@torch.library.custom_op(f"{LIB}::flce_bwd", mutates_args=())
+def _flce_bwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+              lse: torch.Tensor, grad: torch.Tensor, ignore_index: int, label_smoothing: float,
+              lse_square_scale: float, softcap: float, want_h: bool, want_w: bool, want_b: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FLCE backward for per-token upstream ``grad`` (N,): recomputes chunk logits; (dh, dW, db) in input dtypes."""
+    _, _, dh, dw, db = _flce_loop(hidden, weight, bias, target, grad, lse, ignore_index, label_smoothing,
+                                  lse_square_scale, softcap, want_h, want_w, want_b)
+    if want_w:
+        dw = dw.to(weight.dtype)
+    if want_b:
+        db = db.to(bias.dtype)
+    return dh, dw, db
+
+
+@_flce_bwd.register_fake
+def _(hidden, weight, bias, target, lse, grad, ignore_index, label_smoothing, lse_square_scale, softcap,
+      want_h, want_w, want_b):
+    _, _, dh, dw, db = _placeholder_outputs(hidden, weight, target, True, want_h, want_w, want_b)
+    return dh, (dw.to(weight.dtype) if want_w else dw), (db.to(bias.dtype) if want_b else db)
+
+
+# ---------------------------------------------------------------------------------- autograd glue
+def _scale_tensor(target: torch.Tensor, ignore_index: int, reduction: str,
+                  num_items: int | float | torch.Tensor | None) -> torch.Tensor:
+    """The 0-dim fp32 factor the summed per-token loss is multiplied by, built on the device (no sync)."""
+    dev = target.device
+    if reduction == "sum":
+        return torch.ones((), dtype=torch.float32, device=dev)
+    if num_items is None:
+        count = (target != ignore_index).sum().clamp_min(1)
+        return 1.0 / count.to(torch.float32)
+    if isinstance(num_items, torch.Tensor):
+        return 1.0 / num_items.detach().to(device=dev, dtype=torch.float32).reshape(())
+    return torch.full((), 1.0 / float(num_items), dtype=torch.float32, device=dev)
+
+
+def _reduce(loss_tok: torch.Tensor, scale: torch.Tensor, reduction: str) -> torch.Tensor:
+    return loss_tok if reduction == "none" else loss_tok.sum() * scale
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper of the CE kernels over (N, V) logits; backward recomputes from the saved lse."""
+
+    @staticmethod
+    def forward(ctx, logits, target, num_items, ignore_index, label_smoothing, lse_square_scale, softcap, reduction):
+        loss_tok, lse = _ce_fwd(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap)
+        scale = _scale_tensor(target, ignore_index, reduction, num_items)
+        ctx.save_for_backward(logits, target, lse, scale)
+        ctx.opts = (ignore_index, label_smoothing, lse_square_scale, softcap)
+        ctx.reduction = reduction
+        return _reduce(loss_tok, scale, reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, target, lse, scale = ctx.saved_tensors
+        g = grad if ctx.reduction == "none" else grad.to(torch.float32) * scale
+        dlogits = _ce_bwd(logits, target, lse, g, *ctx.opts)
+        return dlogits, None, None, None, None, None, None, None
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper of the FLCE chunk loop.
+
+    "mean"/"sum": gradients are computed in the forward and only scaled by the 0-dim upstream
+    gradient in backward (out of place, so a retained graph can be backpropagated twice).
+    "none": forward keeps lse (N,), backward reruns the chunk loop with the per-token gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, num_items, ignore_index, label_smoothing, lse_square_scale,
+                softcap, reduction, want_h, want_w, want_b):
+        opts = (ignore_index, label_smoothing, lse_square_scale, softcap)
+        ctx.opts, ctx.reduction, ctx.wants = opts, reduction, (want_h, want_w, want_b)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        scale = _scale_tensor(target, ignore_index, reduction, num_items)
+        grads_now = reduction != "none"
+        loss_tok, lse, dh, dw, db = _flce_fwd(hidden, weight, bias, target, scale, *opts,
+                                              want_h and grads_now, want_w and grads_now, want_b and grads_now)
+        if grads_now:
+            ctx.save_for_backward(dh, dw, db)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, target, lse)
+        return _reduce(loss_tok, scale, reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        want_h, want_w, want_b = ctx.wants
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        if ctx.reduction != "none":
+            dh, dw, db = ctx.saved_tensors
+            g = grad.reshape(())
+            dh = _scale_cast(dh, g, h_dtype) if want_h else None
+            dw = _scale_cast(dw, g, w_dtype) if want_w else None
+            db = _scale_cast(db, g, b_dtype) if want_b else None
+        else:
+            hidden, weight, bias, target, lse = ctx.saved_tensors
+            dh, dw, db = _flce_bwd(hidden, weight, bias, target, lse, grad, *ctx.opts, want_h, want_w, want_b)
+            dh, dw, db = (dh if want_h else None), (dw if want_w else None), (db if want_b else None)
+        return dh, dw, db, None, None, None, None, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------- reference
+def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                            label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                            softcap: float | None = None, reduction: str = "mean",
+                            num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-PyTorch loss of (..., V) logits against (...) targets, in fp32 (fp64 for fp64 logits).
+
+    The readable statement of the math (see the module docstring); differentiable by autograd.
+    Out-of-range targets raise (through ``gather``).
+    """
+    _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+    cd = compute_dtype(logits.dtype)
+    z = logits.to(cd).reshape(-1, logits.shape[-1])
+    t = target.reshape(-1)
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = t != ignore_index
+    z_y = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+    loss = lse - (1.0 - label_smoothing) * z_y
+    if label_smoothing:
+        loss = loss - label_smoothing * z.mean(dim=-1)
+    if lse_square_scale:
+        loss = loss + lse_square_scale * lse * lse
+    loss = torch.where(valid, loss, torch.zeros((), dtype=cd, device=z.device))
+    if reduction == "none":
+        return loss.reshape(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    if num_items is None:
+        return loss.sum() / valid.sum().clamp_min(1).to(cd)
+    if isinstance(num_items, torch.Tensor):
+        return loss.sum() / num_items.to(device=z.device, dtype=cd)
+    return loss.sum() / float(num_items)
+
+
+def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                         bias: torch.Tensor | None = None, ignore_index: int = -100,
+                                         label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                                         softcap: float | None = None, reduction: str = "mean",
+                                         num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-PyTorch FLCE: ``cross_entropy_reference(F.linear(hidden, weight, bias), ...)``.
+
+    Materialises the (N, V) logits (in the input dtype, as a plain linear layer would); it is the
+    CPU fallback and the readable statement of what the chunked op computes.
+    """
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return cross_entropy_reference(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+                                   reduction, num_items)
+
+
+# ---------------------------------------------------------------------------------------- public
+def _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    float(lse_square_scale)
+
+
+def _check_target(target: torch.Tensor, lead_shape: torch.Size, what: str) -> None:
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what}: target must be int64 (or int32), got {target.dtype}")
+    if target.shape != lead_shape:
+        raise ValueError(f"{what}: target shape {tuple(target.shape)} does not match {tuple(lead_shape)}")
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  lse_square_scale: float = 0.0, softcap: float | None = None,
+                  reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of (N, V) (or (..., V)) logits against int64 targets (N,) (or (...)).
+
+    Args:
+        logits: (N, V), any float dtype; never modified.
+        target: (N,) class indices; ``ignore_index`` marks tokens that contribute nothing.
+        label_smoothing: eps of ``F.cross_entropy``; lse_square_scale: PaLM z-loss weight;
+        softcap: apply ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        reduction: "mean" (over non-ignored tokens; 0 when all are ignored), "sum" or "none".
+    Returns:
+        fp32 loss: 0-dim, or shaped like ``target`` for "none".
+    """
+    _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+    _check_target(target, logits.shape[:-1], "cross_entropy")
+    if not use_triton(logits) or logits.dtype == torch.float64:
+        return cross_entropy_reference(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap,
+                                       reduction)
+    if target.device != logits.device:
+        raise ValueError(f"cross_entropy: target on {target.device}, logits on {logits.device}")
+    x = logits.reshape(-1, logits.shape[-1])
+    loss = CrossEntropyFunction.apply(x, target.reshape(-1), None, ignore_index, float(label_smoothing),
+                                      float(lse_square_scale), float(softcap or 0.0), reduction)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                               bias: torch.Tensor | None = None, ignore_index: int = -100,
+                               label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                               softcap: float | None = None, reduction: str = "mean",
+                               num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target``, without materialising the logits.
+
+    Args:
+        hidden: (N, H) (or (..., H)) final hidden states; weight: (V, H) LM head (may be tied to the
+            embedding, or an FSDP2-gathered parameter); bias: (V,) or None. One float dtype for all.
+        target: (N,) (or (...)) int64 class indices.
+        ignore_index, label_smoothing, lse_square_scale, softcap, reduction: as in :func:`cross_entropy`.
+        num_items: for "mean", divide the summed loss by this instead of the local non-ignored count
+            (e.g. the count over all micro-batches and data-parallel ranks). A Python number or a
+            0-dim tensor (best on the same device); never read on the host.
+    Returns:
+        fp32 loss: 0-dim, or shaped like ``target`` for "none".
+
+    Memory: a (C, V) chunk buffer plus fp32 accumulators, see :func:`flce_chunk_plan`. The weight
+    and bias gradients are accumulated in fp32 over the chunks and cast to the parameter dtype once.
+    """
+    _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
+                         f"{tuple(weight.shape)} do not fit (weight must be (V, H))")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"fused_linear_cross_entropy: bias shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    _check_target(target, hidden.shape[:-1], "fused_linear_cross_entropy")
+    if not use_triton(hidden) or hidden.dtype == torch.float64:
+        return fused_linear_cross_entropy_reference(hidden, weight, target, bias, ignore_index, label_smoothing,
+                                                    lse_square_scale, softcap, reduction, num_items)
+    dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) > 1:
+        raise TypeError(f"fused_linear_cross_entropy: hidden, weight and bias must share one dtype, got {dtypes}")
+    devs = {hidden.device, weight.device, target.device} | ({bias.device} if bias is not None else set())
+    if len(devs) > 1:
+        raise ValueError(f"fused_linear_cross_entropy: all tensors must be on one device, got {devs}")
+    grad_on = torch.is_grad_enabled()
+    want_h = grad_on and hidden.requires_grad
+    want_w = grad_on and weight.requires_grad
+    want_b = grad_on and bias is not None and bias.requires_grad
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    loss = FusedLinearCrossEntropyFunction.apply(
+        h2, weight, bias, target.reshape(-1), num_items if reduction == "mean" else None, ignore_index,
+        float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction, want_h, want_w, want_b)
+    return loss.reshape(target.shape) if reduction == "none" else loss

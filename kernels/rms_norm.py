@@ -1,0 +1,332 @@
+"""RMSNorm, ``y = x * rsqrt(mean(x^2, -1) + eps) * (offset + weight)``, and its fused residual-add form.
+
+``fused_add_rms_norm(x, residual, weight)`` returns ``(rms_norm(x + residual), x + residual)``: the
+op that carries the residual stream between decoder layers, done in one pass instead of an add
+kernel followed by a norm kernel.
+
+Two rounding conventions (``casting``), so a model reproduces its Hugging Face reference exactly:
+
+* ``"llama"`` (Llama, Mistral, Qwen2, Phi-3): normalise in fp32, round ``n = x * rstd`` to the input
+  dtype, then multiply by ``offset + weight`` and round again (HF: ``weight * n.to(input_dtype)``;
+  the product of two bf16 values is exact in fp32, so computing it in fp32 and rounding once is
+  bit-for-bit PyTorch's bf16 multiply).
+* ``"gemma"``: ``x.float() * rstd * (offset + weight.float())`` all in fp32, rounded to the input
+  dtype once at the end (use ``offset=1.0``: Gemma stores ``w`` and scales by ``1 + w``).
+
+The output has the input's dtype whatever the weight's dtype (bf16 or fp32). Statistics, the
+backward pass and the weight gradient run in fp32 (in the kernels also for fp64 inputs; the
+PyTorch reference, used on CPU without the interpreter, runs those in fp64). The forward saves
+the per-row ``rstd`` (fp32), so the backward pass recomputes ``n = x * rstd`` without a second
+reduction over ``x^2``.
+
+Backward, with ``n = x * rstd`` and ``g = dy * (offset + w)`` (roundings treated as identity)::
+
+    dx = rstd * (g - n * mean(g * n, -1))        (+ dh for the fused op; dresidual = dx)
+    dw = sum over rows of dy * n                 (accumulated in fp32)
+
+The weight gradient is a reduction over all rows: a fixed number of programs (a few per SM) each
+loop over a contiguous range of rows, keep a partial ``dw`` in fp32 registers, and write one fp32
+row of a (programs, H) buffer, which torch sums and casts to the weight's dtype.
+
+Bytes moved (the fewest the op must move), for M rows of H elements of s bytes (weight, dw and the
+4*M bytes of rstd are small next to these):
+
+* ``rms_norm``: forward 2*M*H*s (read x; write y); backward 3*M*H*s (read dy, x; write dx).
+* ``fused_add_rms_norm``: forward 4*M*H*s (read x, residual; write y, h); backward 4*M*H*s
+  (read dy, dh, h; write dx, which is also the residual's gradient), 3*M*H*s when h is unused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from kernels._common import INTERPRET, LIB, as_rows, check_same_device, compute_dtype, row_block, row_warps, use_triton
+
+LLAMA, GEMMA = 0, 1
+_CASTINGS = {"llama": LLAMA, "gemma": GEMMA}
+
+
+# --------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
+                         stride_x, stride_r, stride_y, stride_h, n_rows, n_cols, eps, offset,
+                         HAS_RESIDUAL: tl.constexpr, CASTING: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M whole rows per program. With HAS_RESIDUAL, h = x + r (rounded to x's dtype) is
+    written and normalised; otherwise r_ptr / h_ptr are unused placeholders."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    n = xf * rstd[:, None]
+    if CASTING == 0:  # llama: round the normalised row to the input dtype before the weight
+        n = n.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = n * w[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(dy_ptr, dh_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr,
+                         stride_dy, stride_dh, stride_x, stride_dx, n_rows, n_cols, rows_per_program, offset,
+                         HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program p handles rows [p*rows_per_program, (p+1)*rows_per_program), BLOCK_M at a time
+    (rows_per_program is a multiple of BLOCK_M), and writes its fp32 partial dw to row p of dw_ptr.
+    With HAS_DH the incoming gradient dh is added to dx; otherwise dh_ptr is an unused placeholder."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program, BLOCK_M):
+        rows = first + i + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        n = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * n, axis=1) / n_cols
+        dx = (g - n * c[:, None]) * rstd[:, None]
+        if HAS_DH:
+            dx += tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * n
+    tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+
+
+# ------------------------------------------------------------------------------------ launch sizing
+def _rows_per_block(cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): whole rows per program, several when rows are short (<= 1024),
+    so that every program moves at least ~2048 elements."""
+    block_n = row_block(cols)
+    block_m = max(1, min(16, 2048 // block_n))
+    return block_m, block_n, row_warps(block_m * block_n)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _bwd_programs(device: torch.device, rows: int, block_m: int, block_n: int) -> int:
+    """Programs of the backward kernel: a few per SM (more for short rows, to keep enough loads in
+    flight), but at least ~16 rows each so the fp32 partial-dw buffer stays small next to the rows.
+    The interpreter runs programs one after the other, so there a handful suffice."""
+    tiles = triton.cdiv(rows, block_m)
+    if device.type != "cuda" or INTERPRET:
+        return max(1, min(tiles, 4))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    per_sm = max(1, min(8, 16384 // (block_m * block_n)))
+    return max(1, min(tiles, sms * per_sm, max(sms, rows // 16)))
+
+
+def _launch_fwd(x2, r2, weight, y2, h2, rstd, eps: float, offset: float, casting: int, has_residual: bool) -> None:
+    rows, cols = x2.shape
+    block_m, block_n, warps = _rows_per_block(cols)
+    wrap_triton(_rms_norm_fwd_kernel)[(triton.cdiv(rows, block_m),)](
+        x2, r2, weight, y2, h2, rstd, x2.stride(0), r2.stride(0), y2.stride(0), h2.stride(0), rows, cols, eps, offset,
+        HAS_RESIDUAL=has_residual, CASTING=casting, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+
+
+# ------------------------------------------------------------------------------------ custom ops
+@triton_op(f"{LIB}::rms_norm_fwd", mutates_args={})
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                  casting: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y with x's shape and dtype, rstd (rows,) fp32)."""
+    x2 = as_rows(x)
+    rows, cols = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if y.numel() > 0:
+        y2 = y.view(rows, cols)  # y2 doubles as the unused residual-output placeholder
+        _launch_fwd(x2, x2, weight.contiguous(), y2, y2, rstd, eps, offset, casting, False)
+    return y, rstd
+
+
+@triton_op(f"{LIB}::fused_add_rms_norm_fwd", mutates_args={})
+def _fused_add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            offset: float, casting: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h = x + residual, rstd (rows,) fp32); y and h have x's shape and dtype."""
+    x2, r2 = as_rows(x), as_rows(residual)
+    rows, cols = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if y.numel() > 0:
+        _launch_fwd(x2, r2, weight.contiguous(), y.view(rows, cols), h.view(rows, cols), rstd, eps, offset, casting,
+                    True)
+    return y, h, rstd
+
+
+@triton_op(f"{LIB}::rms_norm_bwd", mutates_args={})
+def _rms_norm_bwd(dy: torch.Tensor, dh: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                  offset: float, has_dh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx with x's shape and dtype, dw (H,) in weight's dtype). ``x`` is the normalised input (h for
+    the fused op); ``dh`` is added to dx when ``has_dh``, else ignored (pass any tensor, e.g. dy)."""
+    dy2, x2 = as_rows(dy), as_rows(x)
+    dh2 = as_rows(dh) if has_dh else dy2
+    rows, cols = x2.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_m, block_n, warps = _rows_per_block(cols)
+    programs = _bwd_programs(x.device, rows, block_m, block_n) if rows > 0 else 0
+    rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_m) * block_m if programs else 0
+    programs = triton.cdiv(rows, rows_per_program) if programs else 0
+    partial = torch.zeros(programs, cols, dtype=torch.float32, device=x.device)
+    if rows * cols > 0:
+        dx2 = dx.view(rows, cols)
+        wrap_triton(_rms_norm_bwd_kernel)[(programs,)](
+            dy2, dh2, x2, weight.contiguous(), rstd, dx2, partial, dy2.stride(0), dh2.stride(0), x2.stride(0),
+            dx2.stride(0), rows, cols, rows_per_program, offset,
+            HAS_DH=has_dh, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd wrapper: ``forward(x, weight, eps, offset, casting)`` with ``casting`` an int code."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: int) -> torch.Tensor:
+        y, rstd = _rms_norm_fwd(x, weight, eps, offset, casting)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _rms_norm_bwd(dy, dy, x, weight, rstd, ctx.offset, False)
+        return dx, dw, None, None, None
+
+
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """Autograd wrapper: ``forward(x, residual, weight, eps, offset, casting)`` -> (y, h).
+
+    Saves h (an output) rather than x and residual. In eager mode a missing gradient of h (h
+    unused) is not materialised as zeros: the kernel skips the add. x and residual get the same
+    gradient tensor, which autograd treats as read-only (it copies before accumulating into a
+    leaf's ``.grad``), so one pass writes one dx for both.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                casting: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y, h, rstd = _fused_add_rms_norm_fwd(x, residual, weight, eps, offset, casting)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.offset = offset
+        if not torch.compiler.is_compiling():  # dynamo does not trace this ctx method; compiled
+            ctx.set_materialize_grads(False)  # graphs get zero tangents instead, same result
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor | None, dh: torch.Tensor | None):
+        h, weight, rstd = ctx.saved_tensors
+        if dy is None:  # only h was used: y contributes nothing
+            return dh, dh, None, None, None, None
+        dx, dw = _rms_norm_bwd(dy, dy if dh is None else dh, h, weight, rstd, ctx.offset, dh is not None)
+        return dx, dx, dw, None, None, None
+
+
+# ------------------------------------------------------------------------------------- reference
+def _casting_code(casting: str) -> int:
+    if casting not in _CASTINGS:
+        raise ValueError(f"rms_norm: casting must be 'llama' or 'gemma', got {casting!r}")
+    return _CASTINGS[casting]
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: weight must have shape (H,) with H = x.shape[-1], "
+                         f"got weight {tuple(weight.shape)} for x {tuple(x.shape)}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"fused_add_rms_norm: x and residual must have one shape and dtype, got "
+                             f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
+        check_same_device(x, residual, weight)
+    else:
+        check_same_device(x, weight)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+                       casting: str = "llama") -> torch.Tensor:
+    """Pure-PyTorch RMSNorm in fp32 (fp64 for fp64 inputs) with the kernels' rounding rules.
+
+    x: (..., H); weight: (H,). Returns (..., H) in x's dtype. Differentiable by autograd, with the
+    kernels' gradient: Llama's intermediate rounding counts as identity (no bf16 rounding of the
+    gradient in the middle of the backward pass).
+    """
+    code = _casting_code(casting)
+    _check(x, weight)
+    cd = compute_dtype(x.dtype)
+    xf = x.to(cd)
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = offset + weight.to(cd)
+    if code == GEMMA:
+        return (n * w).to(x.dtype)
+    # llama: the value rounds n to x's dtype before the weight; the gradient is that of the
+    # unrounded n * w (the kernels' gradient): value + (t - t) is the value exactly.
+    t = n * w
+    return ((n.to(x.dtype).to(cd) * w).detach() + (t - t.detach())).to(x.dtype)
+
+
+def fused_add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                                 offset: float = 0.0, casting: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch ``(rms_norm(x + residual), x + residual)``; the add rounds to x's dtype, as HF's does."""
+    _check(x, weight, residual)
+    h = x + residual
+    return rms_norm_reference(h, weight, eps, offset, casting), h
+
+
+# ---------------------------------------------------------------------------------------- public
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+             casting: str = "llama") -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * (offset + weight)``, rounded as HF Llama or Gemma does.
+
+    Args:
+        x: (..., H), any leading dims, any strides.
+        weight: (H,), bf16 or fp32.
+        eps: added to the mean square.
+        offset: added to the weight (1.0 for Gemma, which stores ``w`` and scales by ``1 + w``).
+        casting: "llama" (round the normalised x to x's dtype, then scale) or "gemma" (scale in fp32,
+            round once); see the module docstring.
+    Returns:
+        (..., H) in x's dtype.
+    """
+    code = _casting_code(casting)
+    _check(x, weight)
+    if not use_triton(x):
+        return rms_norm_reference(x, weight, eps, offset, casting)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), code)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                       offset: float = 0.0, casting: str = "llama") -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (rounded to x's dtype) and ``y = rms_norm(h)``, in one pass.
+
+    Args:
+        x, residual: (..., H), one shape and dtype.
+        weight, eps, offset, casting: as in :func:`rms_norm`.
+    Returns:
+        (y, h), both (..., H) in x's dtype: y feeds the next sub-layer, h is the new residual stream.
+    """
+    code = _casting_code(casting)
+    _check(x, weight, residual)
+    if not use_triton(x):
+        return fused_add_rms_norm_reference(x, residual, weight, eps, offset, casting)
+    return FusedAddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), code)

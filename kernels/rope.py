@@ -1,0 +1,218 @@
+"""Rotary position embedding (rotate-half / Hugging Face convention) applied to q and k in one launch.
+
+``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` over the two halves
+of ``head_dim``. Written per half (``c1, c2, s1, s2`` the halves of cos and sin)::
+
+    out1 = x1 * c1 - x2 * s1          out2 = x2 * c2 + x1 * s2
+
+The backward pass is the transpose, ``dx = dy * cos + rotate_half^T(dy * sin)`` with
+``rotate_half^T(v) = cat(v2, -v1)``::
+
+    dx1 = dy1 * c1 + dy2 * s2         dx2 = dy2 * c2 - dy1 * s1
+
+which is the forward formula with the sine halves swapped and negated (``s1 -> -s2``, ``s2 -> -s1``),
+so one kernel serves both passes (a compile-time switch). cos and sin are buffers: no gradient.
+
+Layout: q (B, S, Hq, D) and k (B, S, Hkv, D), as a projection produces them. They may be strided
+views (e.g. slices of one fused qkv projection viewed as (B, S, Hq + 2*Hkv, D)); the kernel takes
+their batch / seq / head strides and only the last dim must be unit-stride. cos / sin are
+(B, S, D) (per-token positions, e.g. packed sequences), (1, S, D) or (S, D) (shared by the batch),
+fp32 or the model dtype. D must be even; it need not be a power of two (Phi-3: 96), the halves are
+masked. Outputs are fresh contiguous tensors in q's dtype; the math runs in fp32.
+
+One program handles one token: it loads that token's cos / sin once, then rotates all q heads and
+then all kv heads, in tiles of up to ``_TILE`` elements per half.
+
+Bytes moved (the fewest each pass must move), for T = B*S tokens, P distinct cos rows (B*S, or S
+when shared), element size s of q/k and c of cos/sin:
+forward  2*T*(Hq + Hkv)*D*s + 2*P*D*c   (read q, k; write q_rot, k_rot; read cos, sin once per row),
+backward 2*T*(Hq + Hkv)*D*s + 2*P*D*c   (read dq_rot, dk_rot; write dq, dk; read cos, sin).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from kernels._common import LIB, check_same_device, compute_dtype, use_triton
+
+_TILE = 2048  # elements per half-tile of one program: 32 heads x 64 (head_dim 128)
+
+
+# --------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, half, c1, c2, s1, s2,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate the ``n_heads`` rows of one token: x at ``x_ptr`` (head stride ``stride_h``) -> o (contiguous)."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < half
+    for h0 in range(0, n_heads, BLOCK_H):
+        hh = h0 + h
+        mask = (hh < n_heads)[:, None] & dmask[None, :]
+        x_off = hh[:, None] * stride_h + d[None, :]
+        o_off = hh[:, None] * (2 * half) + d[None, :]
+        x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_off + half, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_ptr + o_off, (x1 * c1 - x2 * s1).to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + o_off + half, (x2 * c2 + x1 * s2).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_qh, n_kh,
+                 sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s, ss_b, ss_s, half,
+                 BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // seq_len
+    s = tok - b * seq_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < half
+    c_row = cos_ptr + b * sc_b + s * sc_s
+    s_row = sin_ptr + b * ss_b + s * ss_s
+    c1 = tl.load(c_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(c_row + half + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(s_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(s_row + half + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if BACKWARD:  # transpose of rotate_half: swap the sine halves and negate them
+        s1_fwd = s1
+        s1 = -s2
+        s2 = -s1_fwd
+    _rotate_heads(q_ptr + b * sq_b + s * sq_s, qo_ptr + tok * (n_qh * 2 * half), n_qh, sq_h, half,
+                  c1, c2, s1, s2, BLOCK_HQ, BLOCK_D)
+    _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + tok * (n_kh * 2 * half), n_kh, sk_h, half,
+                  c1, c2, s1, s2, BLOCK_HK, BLOCK_D)
+
+
+# ------------------------------------------------------------------------------------ custom ops
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _cs_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(batch, seq) strides of cos / sin; 0 on the batch when it is shared ((S, D) or (1, S, D))."""
+    if t.dim() == 2:
+        return 0, t.stride(0)
+    return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1)
+
+
+def _head_block(n_heads: int, block_d: int) -> int:
+    return min(triton.next_power_of_2(max(n_heads, 1)), max(_TILE // block_d, 1))
+
+
+def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x_q, x_k, cos, sin = _unit_last(x_q), _unit_last(x_k), _unit_last(cos), _unit_last(sin)
+    B, S, Hq, D = x_q.shape
+    Hkv = x_k.shape[2]
+    qo = torch.empty((B, S, Hq, D), dtype=x_q.dtype, device=x_q.device)
+    ko = torch.empty((B, S, Hkv, D), dtype=x_q.dtype, device=x_q.device)
+    if B * S == 0 or D == 0:
+        return qo, ko
+    block_d = triton.next_power_of_2(int(D) // 2)  # compile-time sizes: int() specialises symbolic shapes
+    sc_b, sc_s = _cs_strides(cos)
+    ss_b, ss_s = _cs_strides(sin)
+    wrap_triton(_rope_kernel)[(B * S,)](
+        x_q, x_k, cos, sin, qo, ko, S, Hq, Hkv,
+        x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
+        sc_b, sc_s, ss_b, ss_s, D // 2,
+        BACKWARD=backward, BLOCK_HQ=_head_block(int(Hq), block_d), BLOCK_HK=_head_block(int(Hkv), block_d),
+        BLOCK_D=block_d, num_warps=4)
+    return qo, ko
+
+
+@triton_op(f"{LIB}::rope_fwd", mutates_args={})
+def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_rot, k_rot), fresh contiguous (B, S, H, D) tensors in q's dtype."""
+    return _launch(q, k, cos, sin, backward=False)
+
+
+@triton_op(f"{LIB}::rope_bwd", mutates_args={})
+def _rope_bwd(dq_rot: torch.Tensor, dk_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq, dk) from the gradients of q_rot and k_rot, fresh contiguous (B, S, H, D) tensors."""
+    return _launch(dq_rot, dk_rot, cos, sin, backward=True)
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Autograd wrapper: ``forward(q, k, cos, sin) -> (q_rot, k_rot)``; no gradient for cos / sin."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.save_for_backward(cos, sin)
+        return _rope_fwd(q, k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq_rot: torch.Tensor, dk_rot: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        dq, dk = _rope_bwd(dq_rot, dk_rot, cos, sin)
+        return dq, dk, None, None
+
+
+# ------------------------------------------------------------------------------------- reference
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch rotate-half RoPE in fp32 (fp64 for fp64 inputs), rounded once to q's dtype.
+
+    Shapes as in :func:`apply_rope`; differentiable through autograd (cos / sin included).
+    """
+    cd = compute_dtype(q.dtype)
+    c, s = cos.to(cd).unsqueeze(-2), sin.to(cd).unsqueeze(-2)  # broadcast over heads
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(cd)
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x * c + torch.cat((-x2, x1), dim=-1) * s).to(q.dtype)
+
+    return rotate(q), rotate(k)
+
+
+# ---------------------------------------------------------------------------------------- public
+def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"apply_rope: q and k must be 4-D (batch, seq, heads, head_dim), "
+                         f"got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    (B, S, _, D), (Bk, Sk, _, Dk) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"apply_rope: q and k differ in batch: {B} vs {Bk}")
+    if Sk != S:
+        raise ValueError(f"apply_rope: q and k differ in seq: {S} vs {Sk}")
+    if Dk != D:
+        raise ValueError(f"apply_rope: q and k differ in head_dim: {D} vs {Dk}")
+    if D % 2:
+        raise ValueError(f"apply_rope: head_dim must be even for rotate_half, got {D}")
+    if q.dtype != k.dtype or not q.dtype.is_floating_point:
+        raise ValueError(f"apply_rope: q and k must share one floating dtype, got {q.dtype} and {k.dtype}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"apply_rope: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if cos.dim() not in (2, 3):
+        raise ValueError(f"apply_rope: cos/sin must be (batch, seq, head_dim) or (seq, head_dim), "
+                         f"got {tuple(cos.shape)}")
+    if cos.shape[-1] != D:
+        raise ValueError(f"apply_rope: cos/sin head_dim {cos.shape[-1]} != q/k head_dim {D}")
+    if cos.shape[-2] != S:
+        raise ValueError(f"apply_rope: cos/sin seq {cos.shape[-2]} != q/k seq {S}")
+    if cos.dim() == 3 and cos.shape[0] not in (1, B):
+        raise ValueError(f"apply_rope: cos/sin batch {cos.shape[0]} != q/k batch {B} (or 1)")
+    if not (cos.dtype.is_floating_point and sin.dtype.is_floating_point):
+        raise ValueError(f"apply_rope: cos/sin must be floating point, got {cos.dtype} and {sin.dtype}")
+    check_same_device(q, k, cos, sin)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k (rotate-half convention), one kernel launch per pass.
+
+    Args:
+        q: (B, S, Hq, D), possibly a strided view (only the last dim need be unit-stride).
+        k: (B, S, Hkv, D), same batch, seq, head_dim and dtype as q.
+        cos, sin: (B, S, D), (1, S, D) or (S, D); fp32 or the model dtype. No gradient flows to them.
+    Returns:
+        (q_rot, k_rot): fresh contiguous (B, S, Hq, D) and (B, S, Hkv, D) tensors in q's dtype.
+    """
+    _check(q, k, cos, sin)
+    if not use_triton(q):
+        return rope_reference(q, k, cos, sin)
+    return RoPEFunction.apply(q, k, cos, sin)

@@ -1,0 +1,34 @@
+"""ligermodels: decoder LLMs (Llama, Qwen2, Mistral, Phi-3, Gemma) built directly on Triton kernels.
+
+    from ligermodels import LigerQwen2
+    model = LigerQwen2.from_hf("Qwen/Qwen2-7B", dtype="bf16", device="cuda")
+    loss = model.loss(input_ids, labels)
+
+The building kit (``RMSNorm``, ``Attention``, ``MLP``, ``DecoderLayer``, ``CausalLM``, ``DecoderConfig``)
+composes custom models from the same kernel blocks.
+"""
+
+from ligermodels.attention import AttentionMask, causal_attention
+from ligermodels.blocks import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from ligermodels.config import DecoderConfig
+from ligermodels.families import (
+    FAMILIES,
+    AutoLigerModel,
+    LigerGemma,
+    LigerLlama,
+    LigerMistral,
+    LigerPhi3,
+    LigerQwen2,
+    UnsupportedConfigError,
+    config_from_hf,
+    config_to_hf,
+)
+from ligermodels.model import CausalLM, document_ids_from_positions
+from ligermodels.rope import RopeConfig
+
+__all__ = [
+    "AttentionMask", "causal_attention", "MLP", "Attention", "DecoderLayer", "RMSNorm", "RotaryEmbedding",
+    "DecoderConfig", "FAMILIES", "AutoLigerModel", "LigerGemma", "LigerLlama", "LigerMistral", "LigerPhi3",
+    "LigerQwen2", "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
+    "document_ids_from_positions", "RopeConfig",
+]

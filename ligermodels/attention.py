@@ -1,0 +1,111 @@
+"""Causal attention over the (batch, seq, heads, head_dim) layout, with optional sliding window and
+document masking, through PyTorch's fused attention kernels.
+
+* Plain causal attention (no window shorter than the sequence, no document boundaries) goes to
+  ``scaled_dot_product_attention(is_causal=True)``: flash or cuDNN on the GPU, never a mask tensor.
+  Grouped-query attention uses ``enable_gqa``, so k/v are never repeated in memory.
+* A sliding window shorter than the sequence, or packed documents (attention must not cross a
+  document boundary), need a mask. On CUDA that is FlexAttention with a block-sparse mask (only the
+  blocks that hold allowed pairs are computed); elsewhere a dense boolean mask through SDPA.
+
+A query at position q sees a key at position k when ``k <= q``, ``q - k < window`` and both lie in
+the same document (HF's sliding-window convention: the window counts the query itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMask:
+    """What each layer's attention may look at, built once per forward and shared by all layers.
+
+    Attributes:
+        seq_len: query/key length S.
+        document_ids: (B, S) int tensor, equal ids = same document; None = one document per row.
+        cache: per-window masks built on first use (dense bool (B, 1, S, S) or a FlexAttention BlockMask).
+    """
+
+    seq_len: int
+    document_ids: torch.Tensor | None = None
+    cache: dict = field(default_factory=dict)
+
+    def needs_mask(self, window: int | None) -> bool:
+        return self.document_ids is not None or (window is not None and window < self.seq_len)
+
+    def allowed(self, window: int | None, device: torch.device) -> torch.Tensor:
+        """Dense (B or 1, 1, S, S) bool mask: True where a query may attend to a key."""
+        key = ("dense", window)
+        if key not in self.cache:
+            pos = torch.arange(self.seq_len, device=device)
+            ok = pos[None, :] <= pos[:, None]
+            if window is not None:
+                ok &= (pos[:, None] - pos[None, :]) < window
+            ok = ok[None, None]
+            if self.document_ids is not None:
+                doc = self.document_ids
+                ok = ok & (doc[:, None, :, None] == doc[:, None, None, :])
+            self.cache[key] = ok
+        return self.cache[key]
+
+    def block_mask(self, window: int | None, batch: int, device: torch.device):
+        """FlexAttention BlockMask for this window and these documents (CUDA)."""
+        key = ("flex", window)
+        if key not in self.cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc = self.document_ids
+            win = window
+
+            def mask_mod(b, h, q, k):
+                ok = k <= q
+                if win is not None:
+                    ok = ok & (q - k < win)
+                if doc is not None:
+                    ok = ok & (doc[b, q] == doc[b, k])
+                return ok
+
+            b = batch if doc is not None else None
+            self.cache[key] = create_block_mask(mask_mod, b, None, self.seq_len, self.seq_len, device=device)
+        return self.cache[key]
+
+
+_compiled_flex = None
+
+
+def _flex_attention(q, k, v, block_mask, scale, enable_gqa):
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None,
+                     window: int | None = None, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal grouped-query attention.
+
+    Args:
+        q: (B, S, Hq, D); k, v: (B, S, Hkv, D) with Hq a multiple of Hkv. Strided views are fine.
+        mask: document ids and mask cache shared across layers (None: plain causal).
+        window: sliding window in tokens, or None.
+        scale: softmax scale (default D ** -0.5).
+    Returns:
+        (B, S, Hq, D), contiguous when the fused kernels produce it so (flash/cuDNN do).
+    """
+    gqa = q.shape[2] != k.shape[2]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if mask is None or not mask.needs_mask(window):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,
+                                           enable_gqa=gqa)
+    elif q.is_cuda and dropout_p == 0.0:
+        o = _flex_attention(qt, kt, vt, mask.block_mask(window, q.shape[0], q.device), scale, gqa)
+    else:
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.allowed(window, q.device), scale=scale,
+                                           dropout_p=dropout_p, enable_gqa=gqa)
+    return o.transpose(1, 2)

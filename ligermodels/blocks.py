@@ -1,0 +1,160 @@
+"""The building kit: RMSNorm, RotaryEmbedding, Attention, MLP, DecoderLayer.
+
+Each block is a small ``nn.Module`` on the project's kernels (``kernels``). Shapes use
+B = batch, S = sequence, H = hidden size, Hq / Hkv = query / key-value heads, D = head_dim,
+I = intermediate size.
+
+The residual stream is carried between blocks by ``fused_add_rms_norm``: every block returns its
+output *before* the residual add, and the next norm adds it to the stream and normalises it in
+one kernel pass, which is the same arithmetic (and rounding) as HF's ``residual + x`` then norm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import apply_rope, fused_add_rms_norm, geglu, rms_norm, swiglu
+from ligermodels.attention import AttentionMask, causal_attention
+from ligermodels.config import DecoderConfig
+from ligermodels.rope import RopeConfig, inv_freq, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, optionally fused with the residual add.
+
+    ``forward(x)`` -> normalised x; ``forward(x, residual)`` -> (norm(x + residual), x + residual).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"):
+        super().__init__()
+        self.eps, self.offset, self.casting = eps, offset, casting
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # (offset + weight) starts at 1: Gemma-style norms store weight = 0.
+        nn.init.constant_(self.weight, 1.0 - self.offset)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, self.offset, self.casting)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, casting={self.casting}"
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary position embedding, from a :class:`RopeConfig`.
+
+    ``forward(position_ids)`` -> (cos, sin), each (S, D) for (S,) positions or (B, S, D) for (B, S)
+    positions, in fp32 (the rope kernel computes in fp32; keeping the tables in fp32 is slightly
+    more exact than HF's bf16 tables). Length-dependent scalings (dynamic NTK, longrope) pick their
+    frequencies from ``max(position_ids) + 1`` on the device, as HF does, without a host sync.
+    """
+
+    def __init__(self, rope: RopeConfig):
+        super().__init__()
+        self.rope = rope
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.attention_scaling = 1.0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """(Re)compute the static frequencies; called again after a model is materialised from meta."""
+        device = self.inv_freq.device if self.inv_freq.device.type != "meta" else None
+        freq, self.attention_scaling = inv_freq(self.rope, seq_len=None, device=device)
+        self.inv_freq = freq.to(self.inv_freq.device) if device is not None else freq
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freq, scaling = self.inv_freq, self.attention_scaling
+        if self.rope.rope_type in ("dynamic", "longrope"):
+            # The frequencies depend on max(position_ids) + 1, as in HF; a 0-d tensor: no host sync.
+            freq, scaling = inv_freq(self.rope, seq_len=position_ids.max() + 1, device=position_ids.device)
+        return rope_cos_sin(freq, scaling, position_ids, torch.float32)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with one fused q/k/v projection and rotary embedding.
+
+    (B, S, H) -> (B, S, H). The q/k/v projection output is viewed as (B, S, Hq + 2*Hkv, D) and
+    split along heads (views, no copies); ``apply_rope`` reads that strided layout directly.
+    """
+
+    def __init__(self, config: DecoderConfig, window: int | None = None):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.window, self.scale, self.dropout = window, c.attn_scale, c.attention_dropout
+        self.qkv = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias)
+        self.o = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: AttentionMask | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
+        q, k = apply_rope(q, k, cos, sin)
+        o = causal_attention(q, k, v, mask, self.window, self.scale, self.dropout if self.training else 0.0)
+        return self.o(o.reshape(b, s, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Gated MLP: one fused gate+up projection (H -> 2*I), SwiGLU or GeGLU, down projection (I -> H)."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        c = config
+        self.activation = c.activation
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        if self.activation == "silu":
+            h = swiglu(gu)
+        else:
+            h = geglu(gu, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.down(h)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: attention then MLP, each behind an RMSNorm on the residual stream.
+
+    ``forward(x, residual, ...)`` takes the previous block's output ``x`` and the residual stream
+    (None for the first layer, where ``x`` is the embedding) and returns (mlp output, residual);
+    the caller's next norm adds the two.
+    """
+
+    def __init__(self, config: DecoderConfig, layer_idx: int = 0):
+        super().__init__()
+        c = config
+        norm = dict(eps=c.norm_eps, offset=c.norm_offset, casting=c.norm_casting)
+        self.attn_norm = RMSNorm(c.hidden_size, **norm)
+        self.attn = Attention(c, window=c.layer_windows[layer_idx])
+        self.mlp_norm = RMSNorm(c.hidden_size, **norm)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.attn_norm(x)
+        else:
+            h, residual = self.attn_norm(x, residual)
+        h, residual = self.mlp_norm(self.attn(h, cos, sin, mask), residual)
+        return self.mlp(h), residual
+
+
+def init_linear_(module: nn.Module, std: float) -> None:
+    """Normal(0, std) weights and zero biases for every Linear/Embedding; norms to their identity."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (RMSNorm, RotaryEmbedding)):
+            m.reset_parameters()
+
+
+__all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "AttentionMask"]

@@ -1,0 +1,113 @@
+"""One dataclass describes every decoder in the zoo.
+
+A model family (Llama, Qwen2, ...) is this config filled from the family's Hugging Face
+``config.json`` plus a checkpoint key map (``checkpoints_tools.keymap``); the model code is shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ligermodels.rope import RopeConfig
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+NORM_CASTINGS = ("llama", "gemma")
+
+
+@dataclass
+class DecoderConfig:
+    """Shapes and numerics of a pre-norm decoder-only transformer.
+
+    Attributes:
+        vocab_size, hidden_size, intermediate_size, num_layers: the usual sizes.
+        num_heads, num_kv_heads, head_dim: query heads, key/value heads (grouped-query attention when
+            fewer), and the per-head size (need not be hidden_size // num_heads).
+        norm_eps, norm_offset, norm_casting: RMSNorm computes ``x * rsqrt(mean(x^2) + eps) * (offset + w)``;
+            casting "llama" or "gemma" picks HF's rounding order (see ``kernels.rms_norm``).
+        activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU) on the gate of the MLP.
+        qkv_bias, o_bias, mlp_bias: biases on the fused q/k/v projection, output projection, MLP projections.
+        rope: rotary embedding parameters (theta and scaling).
+        sliding_window: attention window in tokens (a query sees keys with q - k < window), or None.
+        layer_windows: per-layer window (None = full attention); derived from ``sliding_window`` when omitted.
+        tie_embeddings: the output head shares the input embedding's weight.
+        embed_scale: multiply embeddings by this (rounded to the compute dtype, as HF Gemma does), or None.
+        attn_scale: softmax scale; None means head_dim ** -0.5.
+        attention_dropout: dropout on attention probabilities in training mode.
+        max_position_embeddings: longest sequence the checkpoint was trained for.
+        model_type: the HF ``model_type`` this config was read from (used when saving back).
+        hf_config: the original HF config dict, kept so ``save_hf`` can write it back unchanged.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    norm_eps: float = 1e-6
+    norm_offset: float = 0.0
+    norm_casting: str = "llama"
+    activation: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope: RopeConfig | None = None
+    sliding_window: int | None = None
+    layer_windows: tuple[int | None, ...] | None = None
+    tie_embeddings: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    attention_dropout: float = 0.0
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+    hf_config: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}; "
+                                 "give head_dim explicitly")
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not supported; choose one of {ACTIVATIONS}")
+        if self.norm_casting not in NORM_CASTINGS:
+            raise ValueError(f"norm_casting {self.norm_casting!r} is not supported; choose one of {NORM_CASTINGS}")
+        if self.rope is None:
+            self.rope = RopeConfig(head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings)
+        if self.layer_windows is None:
+            self.layer_windows = (self.sliding_window,) * self.num_layers
+        self.layer_windows = tuple(self.layer_windows)
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def replace(self, **changes) -> DecoderConfig:
+        """A copy with some fields changed (derived fields recomputed unless given)."""
+        if "num_layers" in changes and "layer_windows" not in changes:
+            changes["layer_windows"] = None
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count (the output head counted once when tied)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias
+        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
+        per_layer = attn + mlp + 2 * h
+        n = self.num_layers * per_layer + h
+        if include_embedding:
+            n += self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return n

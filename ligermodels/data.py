@@ -1,0 +1,178 @@
+"""Training data: JSON lines -> tokenized documents -> packed rows of a fixed length.
+
+Input format, one JSON object per line (blank lines are skipped, other keys are ignored):
+
+* ``{"text": "..."}``: a document with a loss on every token;
+* ``{"prompt": "...", "completion": "..."}``: a loss on the completion only.
+
+Tokens: each document is ``[BOS] + encode(text) + [EOS]``, or ``[BOS] + encode(prompt) +
+encode(completion) + [EOS]`` (prompt and completion are encoded separately, so no token straddles
+the boundary). BOS and EOS are the ``bos_token`` / ``eos_token`` of the tokenizer's
+``tokenizer_config.json`` (BOS is left out where it sets ``"add_bos_token": false``); without a
+``tokenizer_config.json``, ``config.json``'s ``bos_token_id`` / ``eos_token_id``. Either may be
+absent, and is then not added. The tokenizer's own post-processor is not used
+(``add_special_tokens=False``), so the rule above is the whole story.
+
+Packing: every epoch visits the documents in an order drawn from ``seed`` and the epoch number,
+and concatenates them into one stream; the stream of epoch 0, then epoch 1, ... is cut into rows
+of ``seq_len`` tokens, so no token is padding. A document cut by a row boundary continues at the
+start of the next row as a new document. In each row:
+
+* ``position_ids`` restart at 0 at every document start (and at the row start), so that the model's
+  ``document_ids_from_positions`` recovers the documents and attention never crosses one;
+* ``labels`` are the tokens, except -100 on each document's first token (the model predicts
+  ``labels[t + 1]`` at ``t``: a document's first token must not be predicted from the previous
+  document) and on BOS and prompt tokens.
+
+Row ``k`` of the stream depends only on the documents, ``seq_len``, ``seed`` and ``k``: the data
+position of a run is one integer (rows consumed), and a resumed run reads the same rows.
+The tokenized documents live in host memory (sized for fine-tuning sets, not pre-training corpora).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class DataError(ValueError):
+    """The data file is missing or malformed; the message names the file and line."""
+
+
+@dataclass
+class Example:
+    """One line of the data file: ``prompt`` is "" for plain text (loss on all of ``text``)."""
+
+    prompt: str
+    text: str
+
+
+def read_jsonl(path: str) -> list[Example]:
+    """Parse and validate a JSON-lines file; a :class:`DataError` names the first bad line."""
+    if not os.path.isfile(path):
+        raise DataError(f"data file {path!r} does not exist")
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
+            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+                examples.append(Example("", rec["text"]))
+            elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
+                examples.append(Example(rec["prompt"], rec["completion"]))
+            else:
+                raise DataError(f'{path} line {lineno}: expected {{"text": str}} or {{"prompt": str, "completion": str}}'
+                                f", got {line.strip()[:80]!r}")
+    if not examples:
+        raise DataError(f"data file {path!r} holds no examples")
+    return examples
+
+
+def _token_id(tokenizer, token) -> int | None:
+    if isinstance(token, dict):  # {"content": "<s>", ...} as written by transformers
+        token = token.get("content")
+    return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+
+def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int | None]:
+    """(BOS id, EOS id) to add to every document, by the rule in the module docstring."""
+    tok_cfg = os.path.join(directory or "", "tokenizer_config.json")
+    if directory and os.path.isfile(tok_cfg):
+        with open(tok_cfg) as f:
+            cfg = json.load(f)
+        bos = _token_id(tokenizer, cfg.get("bos_token")) if cfg.get("add_bos_token", True) is not False else None
+        return bos, _token_id(tokenizer, cfg.get("eos_token"))
+    model_cfg = os.path.join(directory or "", "config.json")
+    if directory and os.path.isfile(model_cfg):
+        with open(model_cfg) as f:
+            cfg = json.load(f)
+        bos, eos = cfg.get("bos_token_id"), cfg.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        return (bos if isinstance(bos, int) else None), (eos if isinstance(eos, int) else None)
+    return None, None
+
+
+@dataclass
+class Document:
+    """Token ids of one example and how many leading tokens carry no loss (BOS + prompt)."""
+
+    ids: list[int]
+    no_loss: int
+
+
+def tokenize(examples: list[Example], tokenizer, bos: int | None, eos: int | None) -> list[Document]:
+    """Tokenize examples into documents (batched: the Rust tokenizer works in parallel)."""
+    prompts = tokenizer.encode_batch([e.prompt for e in examples], add_special_tokens=False)
+    texts = tokenizer.encode_batch([e.text for e in examples], add_special_tokens=False)
+    head, tail = ([bos] if bos is not None else []), ([eos] if eos is not None else [])
+    return [Document(head + p.ids + t.ids + tail, len(head) + len(p.ids)) for p, t in zip(prompts, texts, strict=True)]
+
+
+class PackedRows:
+    """The endless, deterministic sequence of packed rows over ``documents`` (see the module docstring).
+
+    ``rows(start, count)`` -> ``(input_ids, labels, position_ids)``, each (count, seq_len) int64 on
+    the host, for rows ``start .. start + count - 1``.
+    """
+
+    def __init__(self, documents: list[Document], seq_len: int, seed: int):
+        if not documents:
+            raise DataError("no documents to pack")
+        self.seq_len, self.seed = seq_len, seed
+        lengths = torch.tensor([len(d.ids) for d in documents])
+        self.tokens = torch.tensor([t for d in documents for t in d.ids], dtype=torch.int64)
+        has_loss = torch.ones(len(self.tokens), dtype=torch.bool)
+        starts = torch.zeros(len(self.tokens), dtype=torch.bool)
+        self.offsets = torch.cumsum(lengths, 0) - lengths  # start of each document in self.tokens
+        for off, d in zip(self.offsets.tolist(), documents, strict=True):
+            has_loss[off:off + d.no_loss] = False
+            if d.ids:
+                starts[off] = True
+        self.has_loss, self.starts, self.lengths = has_loss, starts, lengths
+        self.epoch_len = len(self.tokens)
+        if self.epoch_len == 0:
+            raise DataError("the documents hold no tokens")
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def _epoch_index(self, epoch: int) -> torch.Tensor:
+        """Indices into self.tokens giving epoch ``epoch``'s stream (documents in a seeded order)."""
+        if epoch not in self._cache:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            order = torch.randperm(len(self.lengths), generator=g)
+            lengths = self.lengths[order]
+            # position j of the stream = offsets[doc] + (j - start of doc in the stream)
+            stream_start = torch.cumsum(lengths, 0) - lengths
+            shift = torch.repeat_interleave(self.offsets[order] - stream_start, lengths)
+            self._cache = {e: v for e, v in self._cache.items() if e >= epoch - 1}  # keep a small window
+            self._cache[epoch] = torch.arange(self.epoch_len) + shift
+        return self._cache[epoch]
+
+    def rows(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.seq_len
+        pos = torch.arange(start * s, (start + count) * s)  # positions in the endless stream
+        epoch, within = pos // self.epoch_len, pos % self.epoch_len
+        index = torch.empty_like(pos)
+        for e in torch.unique(epoch).tolist():
+            sel = epoch == e
+            index[sel] = self._epoch_index(e)[within[sel]]
+        tokens = self.tokens[index].view(count, s)
+        starts = self.starts[index].view(count, s).clone()
+        starts[:, 0] = True  # every row starts a (possibly continued) document
+        labels = torch.where(self.has_loss[index].view(count, s) & ~starts, tokens, IGNORE_INDEX)
+        col = torch.arange(s).expand(count, s)
+        last_start = torch.cummax(torch.where(starts, col, 0), dim=1).values
+        return tokens, labels, col - last_start
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss in a (B, S) label batch (the model predicts labels[:, 1:])."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -1,0 +1,217 @@
+"""Model families: each is a reading of its Hugging Face ``config.json`` into a :class:`DecoderConfig`
+(plus a checkpoint key map in ``checkpoints_tools.keymap``). The model code is shared.
+
+Every HF config field that changes the math is either honoured or refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ligermodels.config import DecoderConfig
+from ligermodels.model import CausalLM
+from ligermodels.rope import RopeConfig
+
+# HF activation names -> ours. Gemma maps its legacy "gelu" to the tanh approximation (as HF does).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "gelu": "gelu"}
+
+
+class UnsupportedConfigError(ValueError):
+    """A config.json field has a value this library does not implement (the message names it)."""
+
+
+def _refuse_unless(d: dict, key: str, ok: Callable[[object], bool], what: str, model_type: str) -> None:
+    if key in d and d[key] is not None and not ok(d[key]):
+        raise UnsupportedConfigError(f"{model_type}: config field {key}={d[key]!r} is not supported ({what})")
+
+
+def _activation(d: dict, model_type: str, gelu_means_tanh: bool = False) -> str:
+    name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    if gelu_means_tanh and name == "gelu":
+        name = "gelu_pytorch_tanh"
+    if name not in _ACTIVATIONS:
+        raise UnsupportedConfigError(f"{model_type}: config field hidden_act={name!r} is not supported; "
+                                     f"supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def _head_dim(d: dict) -> int:
+    return d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+
+
+def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
+    """Fields every family shares, read the way transformers reads them."""
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise UnsupportedConfigError(f"{model_type}: config.json lacks required field(s) {missing}")
+    _refuse_unless(d, "use_bidirectional_attention", lambda v: not v, "only causal attention", model_type)
+    _refuse_unless(d, "partial_rotary_factor", lambda v: float(v) == 1.0, "rotary on part of the head", model_type)
+    head_dim = _head_dim(d)
+    fields = dict(
+        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        num_layers=d["num_hidden_layers"], num_heads=d["num_attention_heads"],
+        num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=head_dim,
+        norm_eps=d.get("rms_norm_eps", 1e-6), activation=_activation(d, model_type),
+        rope=RopeConfig.from_hf({**d, "head_dim": head_dim}),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_dropout=float(d.get("attention_dropout") or 0.0),
+        max_position_embeddings=d.get("max_position_embeddings", 4096),
+        model_type=model_type, hf_config=dict(d),
+    )
+    fields.update(overrides)
+    return DecoderConfig(**fields)
+
+
+def llama_config(d: dict) -> DecoderConfig:
+    """Llama 2 / 3 / 3.1 / 3.2: attention_bias (q/k/v and o), mlp_bias, rope scaling, head_dim, tying."""
+    bias = bool(d.get("attention_bias", False))
+    return _base(d, "llama", qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
+
+
+def qwen2_config(d: dict) -> DecoderConfig:
+    """Qwen2 / Qwen2.5: q/k/v bias, optional sliding window on the layers HF marks "sliding_attention"."""
+    n = d["num_hidden_layers"]
+    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    types = d.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)]
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise UnsupportedConfigError(f"qwen2: config field layer_types holds unsupported {bad}")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return _base(d, "qwen2", qkv_bias=True, sliding_window=window, layer_windows=windows)
+
+
+def mistral_config(d: dict) -> DecoderConfig:
+    """Mistral: sliding window on every layer (or none), explicit head_dim."""
+    return _base(d, "mistral", sliding_window=d.get("sliding_window"))
+
+
+def phi3_config(d: dict) -> DecoderConfig:
+    """Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, longrope scaling, optional sliding window."""
+    for key in ("resid_pdrop", "embd_pdrop"):
+        _refuse_unless(d, key, lambda v: float(v) == 0.0, "dropout on residuals/embeddings", "phi3")
+    return _base(d, "phi3", sliding_window=d.get("sliding_window"))
+
+
+def gemma_config(d: dict) -> DecoderConfig:
+    """Gemma: GeGLU (tanh), norms scaled by (1 + weight) in fp32, sqrt(hidden) embedding scale, tied head."""
+    return _base(d, "gemma", activation=_activation(d, "gemma", gelu_means_tanh=True), norm_offset=1.0,
+                 norm_casting="gemma", embed_scale=math.sqrt(d["hidden_size"]),
+                 qkv_bias=bool(d.get("attention_bias", False)), o_bias=bool(d.get("attention_bias", False)),
+                 tie_embeddings=bool(d.get("tie_word_embeddings", True)))
+
+
+# ------------------------------------------------------------------------------ family classes
+class LigerLlama(CausalLM):
+    """Llama 2, 3, 3.1, 3.2 (``model_type`` "llama")."""
+
+    model_type = "llama"
+
+
+class LigerQwen2(CausalLM):
+    """Qwen2 and Qwen2.5 (``model_type`` "qwen2")."""
+
+    model_type = "qwen2"
+
+
+class LigerMistral(CausalLM):
+    """Mistral (``model_type`` "mistral")."""
+
+    model_type = "mistral"
+
+
+class LigerPhi3(CausalLM):
+    """Phi-3 (``model_type`` "phi3")."""
+
+    model_type = "phi3"
+
+
+class LigerGemma(CausalLM):
+    """Gemma (``model_type`` "gemma")."""
+
+    model_type = "gemma"
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family: how to read its config.json, its model class, and the name of its checkpoint key map."""
+
+    model_type: str
+    read_config: Callable[[dict], DecoderConfig]
+    cls: type[CausalLM]
+    keymap: str = "standard"
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", llama_config, LigerLlama),
+    "qwen2": Family("qwen2", qwen2_config, LigerQwen2),
+    "mistral": Family("mistral", mistral_config, LigerMistral),
+    "phi3": Family("phi3", phi3_config, LigerPhi3, keymap="phi3"),
+    "gemma": Family("gemma", gemma_config, LigerGemma),
+}
+
+
+def family_of(model_type: str | None) -> Family:
+    """The family for an HF ``model_type``; a clear error listing the supported ones otherwise."""
+    if model_type not in FAMILIES:
+        raise UnsupportedConfigError(f"model_type {model_type!r} is not supported; supported model types: "
+                                     f"{', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+def config_from_hf(d: dict) -> DecoderConfig:
+    """Read an HF config.json dict into a DecoderConfig, picking the family from ``model_type``."""
+    return family_of(d.get("model_type")).read_config(d)
+
+
+def config_to_hf(config: DecoderConfig) -> dict:
+    """An HF config.json dict for a config (the original one when the model was loaded from HF).
+
+    For models built from scratch this writes the fields the family's transformers config reads;
+    ``read_config(config_to_hf(c))`` reproduces ``c``.
+    """
+    if config.hf_config:
+        return dict(config.hf_config)
+    c = config
+    act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[c.activation]
+    d = {
+        "model_type": c.model_type, "architectures": [_ARCH[c.model_type]],
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim, "rms_norm_eps": c.norm_eps, "hidden_act": act,
+        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": c.attention_dropout, **c.rope.to_hf(),
+    }
+    if c.model_type in ("llama", "gemma"):
+        d["attention_bias"] = c.qkv_bias
+    if c.model_type == "llama":
+        d["mlp_bias"] = c.mlp_bias
+    if c.model_type in ("mistral", "phi3"):
+        d["sliding_window"] = c.sliding_window
+    if c.model_type == "qwen2":
+        d["use_sliding_window"] = c.sliding_window is not None
+        d["sliding_window"] = c.sliding_window
+        d["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in c.layer_windows]
+    if family_of(c.model_type).read_config(d).replace(hf_config={}) != c:
+        raise UnsupportedConfigError(f"this config cannot be written as an HF {c.model_type!r} config.json "
+                                     f"(it differs from what that family can express): {c}")
+    return d
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+         "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM"}
+
+
+class AutoLigerModel:
+    """Picks the family class from ``config.json``'s ``model_type``: ``AutoLigerModel.from_hf(path)``."""
+
+    @staticmethod
+    def from_hf(repo_or_dir: str, dtype=None, device=None, revision: str | None = None) -> CausalLM:
+        from checkpoints_tools import load_hf
+
+        return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision)

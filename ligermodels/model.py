@@ -1,0 +1,116 @@
+"""CausalLM: embedding, decoder layers, final norm and output head, with a chunked loss head.
+
+Read top to bottom: ``hidden_states`` is the whole decoder; ``forward`` adds the output head and
+returns logits; ``loss`` returns the next-token loss through ``fused_linear_cross_entropy``, so the
+(B*S, vocab) logits never exist.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import fused_linear_cross_entropy
+from ligermodels.attention import AttentionMask
+from ligermodels.blocks import DecoderLayer, RMSNorm, RotaryEmbedding, init_linear_
+from ligermodels.config import DecoderConfig
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model described by a :class:`DecoderConfig`.
+
+    Parameters (native names): ``embed.weight`` (V, H); ``layers.{i}.attn_norm.weight``,
+    ``layers.{i}.attn.qkv.{weight,bias}`` ((Hq+2*Hkv)*D, H), ``layers.{i}.attn.o.weight`` (H, Hq*D),
+    ``layers.{i}.mlp_norm.weight``, ``layers.{i}.mlp.gate_up.weight`` (2*I, H),
+    ``layers.{i}.mlp.down.weight`` (H, I); ``norm.weight`` (H,); ``head.weight`` (V, H) unless tied.
+    """
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = c = config
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.rotary = RotaryEmbedding(c.rope)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.norm_offset, c.norm_casting)
+        self.head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    # ------------------------------------------------------------------------------ parameters
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The output projection (V, H): the embedding's weight when tied."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def init_weights(self, std: float = 0.02) -> CausalLM:
+        """Random init for training from scratch: normal(0, std) matrices, zero biases, identity norms."""
+        init_linear_(self, std)
+        return self
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (rotary frequencies) after materialising from meta."""
+        self.rotary.reset_parameters()
+
+    # --------------------------------------------------------------------------------- forward
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, S, H) for token ids (B, S).
+
+        Args:
+            position_ids: (B, S) or (S,) positions; default 0..S-1. Packed sequences pass positions
+                that restart at 0 for each document.
+            document_ids: (B, S) ids; tokens attend only within their own document. Derive them from
+                restarting positions with :func:`document_ids_from_positions`.
+        """
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device)
+        x = self.embed(input_ids)
+        if self.config.embed_scale is not None:  # HF Gemma rounds the scale to the compute dtype first
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        cos, sin = self.rotary(position_ids)
+        mask = AttentionMask(s, document_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, mask)
+        return self.norm(x, residual)[0]
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, S, V) in the parameter dtype."""
+        return F.linear(self.hidden_states(input_ids, position_ids, document_ids), self.head_weight)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items: int | torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+             ignore_index: int = -100, **loss_options) -> torch.Tensor:
+        """Mean next-token cross-entropy with HF's convention, without materialising logits.
+
+        ``labels`` (B, S) are aligned with ``input_ids`` and shifted here: position t predicts
+        ``labels[:, t + 1]``; ``ignore_index`` marks tokens without loss. The mean is over the
+        non-ignored tokens, or over ``num_items`` when given (gradient accumulation / data
+        parallelism). ``loss_options`` (label_smoothing, lse_square_scale, softcap, reduction) go to
+        :func:`kernels.fused_linear_cross_entropy`.
+        """
+        h = self.hidden_states(input_ids, position_ids, document_ids)
+        target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight, target.reshape(-1),
+                                          ignore_index=ignore_index, num_items=num_items, **loss_options)
+
+    # ------------------------------------------------------------------------ checkpoints
+    @classmethod
+    def from_hf(cls, repo_or_dir: str, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
+                revision: str | None = None) -> CausalLM:
+        """Load a Hugging Face checkpoint (safetensors only). See :func:`checkpoints_tools.load_hf`."""
+        from checkpoints_tools import load_hf
+
+        return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision, expect=cls)
+
+    def save_hf(self, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
+        """Write config.json and sharded safetensors that transformers loads. See :func:`checkpoints_tools.save_hf`."""
+        from checkpoints_tools import save_hf
+
+        save_hf(self, out_dir, max_shard_bytes=max_shard_bytes)
+
+
+def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) document ids from positions that restart at 0 at each document start (no host sync)."""
+    return torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)

@@ -1,0 +1,573 @@
+"""Train or fine-tune a decoder with FSDP2, on one process or many.
+
+    python -m ligermodels.train                      # the demo: a small Llama from scratch, CPU or GPU
+    torchrun --nproc-per-node 8 -m ligermodels.train --model Qwen/Qwen2.5-0.5B --data train.jsonl \\
+        --out runs/qwen --seq-len 4096 --batch-size 2 --grad-accum 4 --steps 2000 --lr 2e-5
+
+The file reads in the order a run goes: arguments -> processes -> inputs (tokenizer, data, config)
+-> model, sharded -> optimiser and schedule -> resume -> loop -> HF export. ``python -m
+ligermodels.train --help`` lists the flags; ``--config FILE.json`` holds any of them
+(``{"lr": 1e-4, "seq-len": 512}``), flags on the command line win.
+
+The demo (no ``--model`` and no ``--data``) trains the Llama of :mod:`ligermodels.demo_corpus` on
+the corpus and character tokenizer made there, writes them to ``OUT/demo/`` and prints a few
+greedy completions from ``OUT/final`` at the end.
+
+Global batch and loss. A step consumes ``G = batch_size * world_size * grad_accum`` packed rows
+(see :mod:`ligermodels.data`): rows ``R .. R + G - 1`` where ``R`` counts the rows consumed so far,
+micro-batch ``m`` of rank ``r`` taking rows ``R + (m * world_size + r) * batch_size`` onward. So
+the global batch is the same rows however it is split. Its loss is the sum of the token losses
+divided by ``N``, the number of tokens with a label in the whole global batch (counted per
+micro-batch on the host, summed, all-reduced): every micro-batch calls ``model.loss(...,
+num_items=N)``. FSDP averages gradients over ranks; the loss is multiplied by ``world_size``
+before backward to undo that, so the gradient is exactly ``d(sum of token losses) / N``. One rank
+with ``grad_accum=2`` and two ranks with ``grad_accum=1`` take the same steps.
+
+Checkpoints (``--save-every``): ``OUT/checkpoints/step_XXXXXXXX/`` holds the model and optimiser
+(``torch.distributed.checkpoint``, sharded: each rank writes its shards, and a run may resume on
+another number of ranks), ``train_state.json`` (step, rows consumed, LR schedule, the data
+settings) and ``rng_rankNNNNN.pt`` (each rank's RNG). It is written as ``step_XXXXXXXX.tmp`` and
+renamed when every rank's files are on disk, so ``--resume`` (which takes the newest
+``step_XXXXXXXX``) never sees a half-written one. A resumed run repeats the uninterrupted run's
+steps exactly. ``OUT/final/`` is an HF checkpoint (config.json, safetensors, tokenizer files).
+
+Metrics: one JSON line per optimiser step in ``OUT/metrics.jsonl``: ``step`` (from 1), ``loss``
+(the global batch's mean), ``lr`` (used by this step), ``grad_norm`` (before clipping),
+``tokens`` (tokens with a label in the global batch), ``tokens_per_s`` (all input tokens of the
+global batch, over all ranks, per second), ``mfu`` and ``peak_mem_gb`` (see :func:`flops_per_token`,
+:func:`peak_memory_gb`). The host waits for the device once per step, to log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from tokenizers import Tokenizer
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from checkpoints_tools import CheckpointError, load_hf, read_config, resolve, save_hf_state
+from checkpoints_tools.hub import safetensors_files
+from ligermodels import demo_corpus
+from ligermodels.config import DecoderConfig
+from ligermodels.data import DataError, Document, PackedRows, count_loss_tokens, read_jsonl, special_token_ids, tokenize
+from ligermodels.families import UnsupportedConfigError, config_from_hf, family_of
+from ligermodels.model import CausalLM, document_ids_from_positions
+
+
+class TrainError(RuntimeError):
+    """A problem with the run's inputs or output directory, found before training starts."""
+
+
+# ------------------------------------------------------------------------------------------ arguments
+#: Defaults shared by every run; then those of the demo or of a run on ``--model`` / ``--data``.
+COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=1.0,
+                       seed=0, ac="none", keep_checkpoints=3, log_every=10, resume=False, overwrite=False,
+                       from_scratch=False)
+DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=300, lr=3e-3, warmup_steps=20, save_every=100)
+RUN_DEFAULTS = dict(out=None, seq_len=2048, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags, then ``--config`` JSON values, then the defaults above (demo or run), in that priority."""
+    p = argparse.ArgumentParser(prog="python -m ligermodels.train", description=__doc__.split("\n\n")[0],
+                                epilog="Defaults differ for the demo (no --model/--data) and a run on your data: "
+                                       f"demo {DEMO_DEFAULTS}, run {RUN_DEFAULTS}, both {COMMON_DEFAULTS}.")
+    a = p.add_argument
+    a("--config", help="JSON file of flag values (keys as the flags, with - or _)")
+    a("--model", help="HF checkpoint: local directory or hub repo id (config.json, safetensors, tokenizer.json)")
+    a("--from-scratch", action="store_true", default=None,
+      help="random init from --model's config.json instead of loading its weights")
+    a("--data", help="JSON-lines file of {\"text\"} or {\"prompt\", \"completion\"} records")
+    a("--out", help="output directory (checkpoints, metrics.jsonl, final/)")
+    a("--seq-len", type=int, help="tokens per packed row (clipped to the model's max_position_embeddings)")
+    a("--batch-size", type=int, help="rows per rank per micro-batch")
+    a("--grad-accum", type=int, help="micro-batches per optimiser step")
+    a("--steps", type=int, help="optimiser steps in total")
+    a("--lr", type=float, help="peak learning rate")
+    a("--lr-schedule", choices=("cosine", "linear", "constant"), help="decay after warmup (to lr * min-lr-ratio)")
+    a("--min-lr-ratio", type=float, help="final lr / peak lr for cosine and linear")
+    a("--warmup-steps", type=int, help="linear warmup steps")
+    a("--weight-decay", type=float, help="AdamW weight decay on matrices (not on norms and biases)")
+    a("--max-grad-norm", type=float, help="clip the global gradient norm to this (0: no clipping)")
+    a("--seed", type=int, help="seed of the data order and of a from-scratch init")
+    a("--save-every", type=int, help="checkpoint every N steps and at the end (0: never)")
+    a("--keep-checkpoints", type=int, help="keep the newest N checkpoints (0: all)")
+    a("--resume", action="store_true", default=None, help="continue from the newest checkpoint in --out")
+    a("--overwrite", action="store_true", default=None, help="delete a previous run's checkpoints/metrics in --out")
+    a("--ac", choices=("none", "full", "selective"),
+      help="activation checkpointing per layer: full recomputes the layer; selective keeps matmul/attention outputs")
+    a("--dtype", choices=("bf16", "fp32"), help="compute dtype (master weights are fp32); default bf16 on cuda")
+    a("--device", choices=("cuda", "cpu"), help="default cuda when present (NCCL), else cpu (gloo)")
+    a("--log-every", type=int, help="print a progress line every N steps (metrics.jsonl gets every step)")
+    args = p.parse_args(argv)
+
+    if args.config:
+        try:
+            with open(args.config) as f:
+                values = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            p.error(f"--config {args.config}: {e}")
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name == "config" or name not in vars(args):
+                p.error(f"--config {args.config}: unknown key {key!r}")
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if (args.model is None) != (args.data is None):
+        p.error("give both --model and --data, or neither for the built-in demo")
+    args.demo = args.model is None
+    for key, value in {**COMMON_DEFAULTS, **(DEMO_DEFAULTS if args.demo else RUN_DEFAULTS)}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        p.error("--out is required")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    for name in ("batch_size", "grad_accum", "steps", "seq_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.resume and args.overwrite:
+        p.error("--resume and --overwrite exclude each other")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ processes
+def setup_distributed(device_type: str) -> tuple[int, int, torch.device]:
+    """Join the process group: torchrun's (NCCL on cuda, gloo on cpu), or one of a single process."""
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:  # plain `python -m ligermodels.train`: a group of one, no network
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def complete_checkpoints(out: str) -> list[tuple[int, str]]:
+    """(step, path) of the finished checkpoints in ``out``, oldest first (``*.tmp`` are never finished)."""
+    root = os.path.join(out, "checkpoints")
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        m = re.fullmatch(r"step_(\d+)", name)
+        if m and os.path.isfile(os.path.join(root, name, "train_state.json")):
+            found.append((int(m[1]), os.path.join(root, name)))
+    return sorted(found)
+
+
+def check_out_dir(args: argparse.Namespace) -> None:
+    """Refuse to write into a directory holding another run, unless told to --resume or --overwrite it."""
+    used = [what for what in ("checkpoints", "final", "metrics.jsonl") if os.path.exists(os.path.join(args.out, what))]
+    if used and not (args.resume or args.overwrite):
+        raise TrainError(f"--out {args.out} already holds a run ({', '.join(used)}): pass --resume to continue it, "
+                         "--overwrite to replace it, or choose another --out")
+
+
+# ------------------------------------------------------------------------------------------ inputs
+@dataclass
+class Inputs:
+    """What the run trains on: model config and family, where its weights and tokenizer are, the data."""
+
+    config: DecoderConfig
+    cls: type[CausalLM]
+    weights_dir: str | None  # HF checkpoint to load; None: random init
+    tokenizer_dir: str
+    tokenizer: Tokenizer
+    bos: int | None
+    eos: int | None
+    documents: list[Document]
+
+
+def load_inputs(args: argparse.Namespace) -> Inputs:
+    """Read the config, tokenizer and data, and check them against each other; no weights are read."""
+    model_dir = resolve(args.model)
+    config = config_from_hf(read_config(model_dir))
+    if args.seq_len > config.max_position_embeddings:
+        raise TrainError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    if not args.from_scratch:
+        safetensors_files(model_dir)  # fail here, on every rank, rather than on rank 0 alone later
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise TrainError(f"{model_dir} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(tok_path)
+    bos, eos = special_token_ids(tokenizer, model_dir)
+    documents = tokenize(read_jsonl(args.data), tokenizer, bos, eos)
+    top = max((max(d.ids) for d in documents if d.ids), default=-1)
+    if top >= config.vocab_size:
+        raise TrainError(f"the tokenizer produced id {top}, outside the model's vocab_size {config.vocab_size}")
+    cls = family_of(config.model_type).cls
+    return Inputs(config, cls, None if args.from_scratch else model_dir, model_dir, tokenizer, bos, eos, documents)
+
+
+# ------------------------------------------------------------------------------------------ model
+#: Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest is recomputed.
+_SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, name)}
+if hasattr(torch.ops, "higher_order") and hasattr(torch.ops.higher_order, "flex_attention"):
+    _SAVED_OPS.add(torch.ops.higher_order.flex_attention)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
+    """Wrap each decoder layer: "full" recomputes it in backward, "selective" recomputes all but matmuls/attention."""
+    if mode == "none":
+        return
+    kwargs = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts, _selective_policy)}
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer, **kwargs)
+
+
+def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> CausalLM:
+    """The model, FSDP2-sharded over all ranks, with fp32 master weights.
+
+    Rank 0 alone reads the checkpoint (or draws the from-scratch init from ``--seed``) on the host;
+    every rank builds the model on the meta device, shards it, allocates its shards and receives
+    them from rank 0. So the start is the same for any number of ranks, and host memory holds
+    one full copy, not one per rank.
+    """
+    full_state, error = {}, None
+    if rank == 0:
+        try:
+            if inputs.weights_dir is not None:
+                full_state = load_hf(inputs.weights_dir, dtype=torch.float32, device="cpu").state_dict()
+            else:
+                torch.manual_seed(args.seed)
+                full_state = inputs.cls(inputs.config).init_weights().state_dict()
+        except (CheckpointError, UnsupportedConfigError) as e:
+            error = str(e)
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)  # a bad checkpoint stops every rank, not rank 0 alone
+    if errors[0]:
+        raise TrainError(errors[0])
+
+    with torch.device("meta"):
+        model = inputs.cls(inputs.config)
+    apply_activation_checkpointing(model, args.ac)
+    mesh = init_device_mesh(device.type, (world,))
+    # bf16 compute with fp32 gradient reduction; cos/sin tables stay fp32 (no casting of layer inputs).
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
+                              reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for i, layer in enumerate(model.layers):  # the last layer's backward starts at once: keep it gathered
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    model.init_buffers()
+    return model.train()
+
+
+# ------------------------------------------------------------------------------------------ optimiser
+def build_optimizer(model: CausalLM, args: argparse.Namespace, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; fused kernels on CUDA, foreach on the CPU."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    cuda = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=True if cuda else None, foreach=None if cuda else True)
+
+
+def lr_factor(i: int, schedule: str, warmup: int, steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at update ``i`` (0-based): linear warmup, then cosine/linear/constant."""
+    if i < warmup:
+        return (i + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (i - warmup) / max(1, steps - warmup)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def rng_state(device: torch.device) -> dict:
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def save_checkpoint(out: str, step: int, model: CausalLM, optimizer: torch.optim.Optimizer, train_state: dict,
+                    rank: int, device: torch.device, keep: int) -> None:
+    """Write ``OUT/checkpoints/step_N`` through ``step_N.tmp`` and a rename (see the module docstring)."""
+    root = os.path.join(out, "checkpoints")
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.save(rng_state(device), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+    dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        with open(os.path.join(tmp, "train_state.json"), "w") as f:
+            json.dump(train_state, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # the commit: step_N exists only once it is complete
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if keep > 0:
+            for _, old in complete_checkpoints(out)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(path: str, model: CausalLM, optimizer: torch.optim.Optimizer, rank: int,
+                    device: torch.device) -> None:
+    """Load model, optimiser and this rank's RNG from a checkpoint directory (any number of ranks)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_path = os.path.join(path, f"rng_rank{rank:05d}.pt")
+    if os.path.isfile(rng_path):  # absent when resuming on more ranks than wrote it
+        rng = torch.load(rng_path, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if device.type == "cuda" and rng["cuda"] is not None:
+            torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def export_hf(model: CausalLM, inputs: Inputs, args: argparse.Namespace, rank: int) -> str:
+    """Gather the full weights to rank 0's host and write ``OUT/final`` as an HF checkpoint (in --dtype)."""
+    out = os.path.join(args.out, "final")
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        save_hf_state({k: v.to(dtype) for k, v in state.items()}, inputs.config, out, copy_from=inputs.tokenizer_dir)
+    dist.barrier()
+    return out
+
+
+# ------------------------------------------------------------------------------------------ metrics
+#: Dense bf16 peak FLOP/s per GPU, by a substring of the device name.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 * N + 12 * L * (Hq * D) * S`` (PaLM, appendix B).
+
+    ``N`` counts the parameters that multiply every token: all but the input embedding, with the
+    output head counted once even when tied (its matmul runs). The second term is attention's two
+    matmuls over a full ``S``-long context, as is customary (causal and document masks do less).
+    """
+    n = config.num_params(include_embedding=False) + config.vocab_size * config.hidden_size
+    return 6 * n + 12 * config.num_layers * config.q_size * seq_len
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    """Peak dense FLOP/s of one device for this dtype, or None when unknown (then mfu is null)."""
+    if device.type != "cuda" or dtype != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this rank: allocated CUDA memory, or on the CPU the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+class Progress:
+    """Rank 0's progress: a ``\\r`` status line on a terminal (kept every ``every`` steps), plain lines otherwise."""
+
+    def __init__(self, total: int, every: int):
+        self.total, self.every, self.tty = total, max(1, every), sys.stdout.isatty()
+
+    def update(self, m: dict) -> None:
+        line = (f"step {m['step']:>{len(str(self.total))}}/{self.total} | loss {m['loss']:.4f} | lr {m['lr']:.2e} "
+                f"| grad norm {m['grad_norm']:.3f} | {m['tokens_per_s']:,.0f} tok/s")
+        if m["mfu"] is not None:
+            line += f" | mfu {100 * m['mfu']:.1f}%"
+        keep = m["step"] % self.every == 0 or m["step"] == self.total or m["step"] == 1
+        if self.tty:
+            sys.stdout.write("\r" + line + ("\n" if keep else ""))
+        elif keep:
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------------------ demo
+@torch.no_grad()
+def greedy_complete(model: CausalLM, tokenizer: Tokenizer, prompt: str, bos: int | None, eos: int | None,
+                    max_new_tokens: int = 24) -> str:
+    """Greedy decoding by re-running the model on the growing sequence (no KV cache: short demos only)."""
+    ids = ([bos] if bos is not None else []) + tokenizer.encode(prompt, add_special_tokens=False).ids
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(model(torch.tensor([ids + new]))[0, -1].argmax())
+        if nxt == eos:
+            break
+        new.append(nxt)
+    return tokenizer.decode(new)
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rank, world, device = setup_distributed(args.device)
+    try:
+        train(args, rank, world, device)
+    except (TrainError, DataError, CheckpointError, UnsupportedConfigError) as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
+    """The whole run: checks, inputs, model, optimiser, resume, the loop, export."""
+    say = print if rank == 0 else (lambda *a, **k: None)
+    # -- output directory, then the demo's generated inputs (written by rank 0 once all ranks checked)
+    check_out_dir(args)
+    dist.barrier()
+    if rank == 0 and args.overwrite:
+        for what in ("checkpoints", "final"):
+            shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
+    if args.demo:
+        args.model, args.data = os.path.join(args.out, "demo", "model"), os.path.join(args.out, "demo", "data.jsonl")
+        args.from_scratch = True
+        if rank == 0:
+            demo_corpus.write_demo(os.path.join(args.out, "demo"), seed=args.seed)
+        dist.barrier()
+
+    # -- inputs: every rank reads and checks them the same way, so a bad input stops every rank
+    inputs = load_inputs(args)
+    rows = PackedRows(inputs.documents, args.seq_len, args.seed)
+    resume_from = complete_checkpoints(args.out)[-1] if args.resume and complete_checkpoints(args.out) else None
+    train_state = None
+    if resume_from is not None:
+        with open(os.path.join(resume_from[1], "train_state.json")) as f:
+            train_state = json.load(f)
+        for key in ("seq_len", "seed"):
+            if train_state[key] != getattr(args, key):
+                raise TrainError(f"{resume_from[1]} was written with --{key.replace('_', '-')} {train_state[key]}; "
+                                 f"resume with the same value (got {getattr(args, key)})")
+
+    # -- model, optimiser, schedule
+    model = build_model(inputs, args, rank, world, device)
+    optimizer = build_optimizer(model, args, device)
+    schedule = partial(lr_factor, schedule=args.lr_schedule, warmup=args.warmup_steps, steps=args.steps,
+                       min_ratio=args.min_lr_ratio)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(i))
+    torch.manual_seed(args.seed + rank)  # dropout, if the model has any: differs per rank, restored on resume
+    step, rows_consumed = 0, 0
+    if resume_from is not None:
+        load_checkpoint(resume_from[1], model, optimizer, rank, device)
+        scheduler.load_state_dict(train_state["scheduler"])
+        step, rows_consumed = train_state["step"], train_state["rows_consumed"]
+        say(f"resumed from {resume_from[1]} (step {step})")
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if rank == 0:  # a resumed run's metrics continue the old file; anything past the checkpoint is dropped
+        old = []
+        if resume_from is not None and os.path.isfile(metrics_path):
+            with open(metrics_path) as f:
+                old = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        os.makedirs(args.out, exist_ok=True)
+        with open(metrics_path, "w") as f:
+            f.writelines(old)
+
+    c = inputs.config
+    global_rows = args.batch_size * world * args.grad_accum
+    tokens_per_step = global_rows * args.seq_len
+    flops, peak = flops_per_token(c, args.seq_len), peak_flops(device, args.dtype)
+    say(f"{c.model_type}: {c.num_params() / 1e6:.2f}M parameters, {c.num_layers} layers, hidden {c.hidden_size} | "
+        f"{len(inputs.documents)} documents, {rows.epoch_len} tokens per epoch | {world} rank(s) on {device.type}, "
+        f"{args.dtype}, global batch {global_rows} x {args.seq_len} tokens | steps {step + 1}..{args.steps}")
+
+    # -- the loop
+    progress = Progress(args.steps, args.log_every)
+    max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+    while step < args.steps:
+        t0 = time.perf_counter()
+        micro = [rows.rows(rows_consumed + (m * world + rank) * args.batch_size, args.batch_size)
+                 for m in range(args.grad_accum)]
+        n_tokens = torch.tensor(sum(count_loss_tokens(labels) for _, labels, _ in micro), device=device)
+        dist.all_reduce(n_tokens)  # tokens with a label in the whole global batch
+        num_items = n_tokens.clamp(min=1)
+        loss_sum = torch.zeros((), device=device)
+        for input_ids, labels, positions in micro:
+            input_ids, labels, positions = (t.to(device, non_blocking=True) for t in (input_ids, labels, positions))
+            loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
+                              document_ids=document_ids_from_positions(positions))
+            (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        step, rows_consumed = step + 1, rows_consumed + global_rows
+
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        loss_v, tokens_v, norm_v = torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]).tolist()  # the sync
+        dt = time.perf_counter() - t0
+        m = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": norm_v, "tokens": int(tokens_v),
+             "tokens_per_s": tokens_per_step / dt,
+             "mfu": None if peak is None else flops * tokens_per_step / dt / (peak * world),
+             "peak_mem_gb": peak_memory_gb(device)}
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            progress.update(m)
+        if args.save_every > 0 and (step % args.save_every == 0 or step == args.steps):
+            state = {"step": step, "rows_consumed": rows_consumed, "scheduler": scheduler.state_dict(),
+                     "seq_len": args.seq_len, "seed": args.seed, "world_size": world, "global_rows": global_rows,
+                     "model": args.model, "data": os.path.abspath(args.data)}
+            save_checkpoint(args.out, step, model, optimizer, state, rank, device, args.keep_checkpoints)
+
+    # -- export, and the demo's completions
+    final = export_hf(model, inputs, args, rank)
+    say(f"wrote {final}")
+    if args.demo and rank == 0:
+        plain = CausalLM.from_hf(final, dtype=torch.float32)
+        for prompt in demo_corpus.SAMPLE_PROMPTS:
+            print(f"  {prompt!r} -> {greedy_complete(plain, inputs.tokenizer, prompt, inputs.bos, inputs.eos)!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Every family against transformers on tiny random checkpoints: logits, loss, every gradient, save/load.
+
+Checkpoints are made with transformers' ``save_pretrained`` (single file and sharded) in
+configurations that exercise GQA, tied and untied heads, q/k/v bias, each rope scaling the family
+supports, a sliding window shorter than the sequence, and head_dim != hidden / heads. Weights,
+norms included, are randomised so that no parameter sits at its identity value.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import transformers
+from checkpoints_tools import hf_tensors, load_hf
+from ligermodels import AutoLigerModel, LigerLlama, LigerQwen2
+from tests.utils import DEVICE, assert_triton_runs, rel_err
+
+SMALL = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+HALF = 8  # head_dim 16 -> 8 frequencies
+
+
+def _longrope(head_dim: int) -> dict:
+    g = torch.Generator().manual_seed(3)
+    n = head_dim // 2
+    return {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1 + torch.rand(n, generator=g)).tolist(),
+            "long_factor": (1 + 4 * torch.rand(n, generator=g)).tolist()}
+
+
+# name -> (HF config class name, config kwargs)
+CASES = {
+    "llama_gqa_untied": ("LlamaConfig", dict(SMALL)),
+    "llama3_rope_tied_headdim": ("LlamaConfig", dict(SMALL, tie_word_embeddings=True, head_dim=24,
+                                                     rope_parameters=LLAMA3_ROPE)),
+    "llama_linear_rope_bias": ("LlamaConfig", dict(SMALL, attention_bias=True, mlp_bias=True,
+                                                   rope_parameters={"rope_type": "linear", "rope_theta": 500.0,
+                                                                    "factor": 4.0})),
+    "qwen2_bias_tied_sliding": ("Qwen2Config", dict(SMALL, tie_word_embeddings=True, use_sliding_window=True,
+                                                    sliding_window=5, max_window_layers=1)),
+    "qwen2_untied": ("Qwen2Config", dict(SMALL, num_key_value_heads=1)),
+    "mistral_sliding_headdim": ("MistralConfig", dict(SMALL, sliding_window=5, head_dim=24)),
+    "phi3_longrope": ("Phi3Config", dict(SMALL, num_key_value_heads=4, original_max_position_embeddings=8,
+                                          rope_parameters=_longrope(16), pad_token_id=0)),
+    "phi3_default": ("Phi3Config", dict(SMALL, pad_token_id=0)),
+    "gemma_tied_headdim": ("GemmaConfig", dict(SMALL, head_dim=32, num_key_value_heads=1, pad_token_id=0)),
+}
+
+
+def make_hf_checkpoint(case: str, directory: str, shard: bool = False, seed: int = 0):
+    """A tiny random transformers model saved as safetensors; returns the fp32 HF model."""
+    cls_name, kwargs = CASES[case]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory, max_shard_size="40KB" if shard else "5GB")
+    return model.eval()
+
+
+def _batch(vocab: int, batch: int = 2, seq: int = 12, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100
+    labels[1, seq // 2] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_matches_transformers_logits_loss_and_gradients(case, tmp_path):
+    shard = case in ("llama_gqa_untied", "qwen2_bias_tied_sliding", "phi3_longrope")
+    hf = make_hf_checkpoint(case, str(tmp_path), shard=shard)
+    if shard:
+        assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32, device=DEVICE)
+    assert type(ours).model_type == hf.config.model_type
+    ids, labels = _batch(hf.config.vocab_size)
+    assert_triton_runs(ours.embed.weight)
+
+    hf_out = hf(input_ids=ids, labels=labels)
+    hf_out.loss.backward()
+    logits = ours(ids.to(DEVICE))
+    assert rel_err(logits, hf_out.logits) <= 1e-4, f"logits rel err {rel_err(logits, hf_out.logits):.2e}"
+    loss = ours.loss(ids.to(DEVICE), labels.to(DEVICE))
+    assert abs(loss.item() - hf_out.loss.item()) <= 1e-5 * abs(hf_out.loss.item())
+    loss.backward()
+
+    ours_grads = dict(hf_tensors({n: p.grad for n, p in ours.named_parameters()}, ours.config))
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(ours_grads) == set(hf_grads)
+    for name, g in hf_grads.items():
+        err = rel_err(ours_grads[name], g)
+        assert err <= 1e-3, f"{case}: gradient of {name}: rel err {err:.2e}"
+
+
+def test_long_sequence_switches_longrope_to_long_factors(tmp_path):
+    hf = make_hf_checkpoint("phi3_longrope", str(tmp_path))
+    ours = AutoLigerModel.from_hf(str(tmp_path), device=DEVICE)
+    for seq in (6, 20):  # below and above original_max_position_embeddings = 8
+        ids, _ = _batch(hf.config.vocab_size, seq=seq)
+        with torch.no_grad():
+            assert rel_err(ours(ids.to(DEVICE)), hf(input_ids=ids).logits) <= 1e-4, seq
+
+
+def test_save_hf_round_trips_bitwise_through_transformers(tmp_path):
+    hf = make_hf_checkpoint("qwen2_bias_tied_sliding", str(tmp_path / "src"))
+    ours = LigerQwen2.from_hf(str(tmp_path / "src"))
+    ours.save_hf(str(tmp_path / "out"), max_shard_bytes=30_000)
+    assert os.path.exists(tmp_path / "out" / "model.safetensors.index.json")
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    theirs = dict(hf.named_parameters())
+    for name, p in back.named_parameters():
+        assert torch.equal(p, theirs[name]), name
+
+
+def test_phi3_fused_checkpoint_round_trips(tmp_path):
+    make_hf_checkpoint("phi3_default", str(tmp_path / "src"))
+    ours = AutoLigerModel.from_hf(str(tmp_path / "src"))
+    ours.save_hf(str(tmp_path / "out"))
+    again = AutoLigerModel.from_hf(str(tmp_path / "out"))
+    for (n, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_loading_with_the_wrong_family_class_names_both(tmp_path):
+    make_hf_checkpoint("qwen2_untied", str(tmp_path))
+    with pytest.raises(Exception, match="qwen2.*LigerQwen2"):
+        LigerLlama.from_hf(str(tmp_path))
+
+
+def test_loaded_dtype_and_device(tmp_path):
+    make_hf_checkpoint("llama_gqa_untied", str(tmp_path))
+    m = load_hf(str(tmp_path), dtype="bf16")
+    assert all(p.dtype == torch.bfloat16 for p in m.parameters())
+    assert not any(p.is_meta for p in m.parameters())

@@ -1,0 +1,207 @@
+"""apply_rope: forward and both gradients against float64, layouts (fused qkv views, GQA, per-token or shared
+cos/sin, head_dim 64 / 96 / 128), agreement with transformers' apply_rotary_pos_emb, and shape errors."""
+
+import zlib
+
+import pytest
+import torch
+
+import kernels.rope as rope_mod
+from kernels.rope import apply_rope, rope_reference
+from tests.utils import DEVICE, assert_rel, assert_triton_runs, assert_unchanged, randn, rel_err, snapshot
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _cos_sin(positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = 10000.0):
+    """cos/sin (positions.shape..., head_dim) from integer positions, computed in float64, cast to dtype."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    emb = positions.double()[..., None] * inv
+    emb = torch.cat((emb, emb), dim=-1)
+    return emb.cos().to(dtype).to(DEVICE), emb.sin().to(dtype).to(DEVICE)
+
+
+def _positions(batch: int, seq: int, per_token: bool, seed: int) -> torch.Tensor:
+    """Random positions: per token (B, S), packed sequences restarting at 0, or one (S,) row shared by the batch."""
+    g = torch.Generator().manual_seed(seed)
+    if not per_token:
+        return torch.randint(0, 8192, (seq,), generator=g)
+    pos = torch.empty(batch, seq, dtype=torch.int64)
+    for b in range(batch):  # a few packed documents per row, each starting at a random offset or 0
+        cut = int(torch.randint(1, seq, (1,), generator=g))
+        start = int(torch.randint(0, 4096, (1,), generator=g))
+        pos[b, :cut] = torch.arange(start, start + cut)
+        pos[b, cut:] = torch.arange(0, seq - cut)
+    return pos
+
+
+def _qk(batch, seq, hq, hkv, d, dtype, fused: bool, seed: int):
+    """q, k leaves requiring grad: separate tensors, or strided slices of one fused (B, S, Hq + 2*Hkv, D) leaf."""
+    if fused:
+        qkv = randn(batch, seq, hq + 2 * hkv, d, dtype=dtype, seed=seed).requires_grad_()
+        return qkv, qkv[:, :, :hq], qkv[:, :, hq:hq + hkv]
+    q = randn(batch, seq, hq, d, dtype=dtype, seed=seed).requires_grad_()
+    k = randn(batch, seq, hkv, d, dtype=dtype, seed=seed + 1).requires_grad_()
+    return None, q, k
+
+
+def _eager(q, k, cos, sin):
+    """The Hugging Face formula on the (B, S, H, D) layout, in the tensors' own dtype."""
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _float64(q, k, cos, sin, dq_rot, dk_rot):
+    q64 = q.detach().double().requires_grad_()
+    k64 = k.detach().double().requires_grad_()
+    qr, kr = _eager(q64, k64, cos.double(), sin.double())
+    torch.autograd.backward((qr, kr), (dq_rot.double(), dk_rot.double()))
+    return qr, kr, q64.grad, k64.grad
+
+
+CASES = [  # (batch, seq, q_heads, kv_heads, head_dim)
+    (2, 7, 6, 2, 96),
+    (3, 5, 6, 2, 64),
+    (2, 6, 4, 4, 128),
+    (1, 3, 40, 8, 128),  # more q heads than one tile holds: the head loop runs twice
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused_qkv"])
+@pytest.mark.parametrize("per_token", [True, False], ids=["cos_BSD", "cos_SD"])
+@pytest.mark.parametrize("dtype,cos_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16_cos32", "bf16"])
+def test_rope_matches_float64_forward_and_gradients(case, fused, per_token, dtype, cos_dtype):
+    B, S, hq, hkv, d = case
+    seed = zlib.crc32(repr((case, fused, per_token, dtype, cos_dtype)).encode()) % 10_000
+    leaf, q, k = _qk(B, S, hq, hkv, d, dtype, fused, seed)
+    if fused:
+        assert not q.is_contiguous() and not k.is_contiguous()
+    cos, sin = _cos_sin(_positions(B, S, per_token, seed), d, cos_dtype)
+    dq_rot = randn(B, S, hq, d, dtype=dtype, seed=seed + 2)
+    dk_rot = randn(B, S, hkv, d, dtype=dtype, seed=seed + 3)
+    assert_triton_runs(q)
+    before = snapshot(q, k, cos, sin, dq_rot, dk_rot)
+
+    q_rot, k_rot = apply_rope(q, k, cos, sin)
+    assert q_rot.dtype == dtype and k_rot.dtype == dtype
+    assert q_rot.is_contiguous() and k_rot.is_contiguous()
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (dq_rot, dk_rot))
+    assert_unchanged(before, q, k, cos, sin, dq_rot, dk_rot)
+
+    ref = _float64(q, k, cos, sin, dq_rot, dk_rot)
+    errs = [assert_rel(ours, theirs, dtype, what)
+            for ours, theirs, what in zip((q_rot, k_rot, dq, dk), ref, ("q_rot", "k_rot", "dq", "dk"), strict=True)]
+
+    if dtype == torch.bfloat16:  # no worse than eager PyTorch doing the same op in bf16 (cos/sin in the model dtype)
+        qe, ke = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        eq, ek = _eager(qe, ke, cos.to(dtype), sin.to(dtype))
+        eager = (eq, ek, *torch.autograd.grad((eq, ek), (qe, ke), (dq_rot, dk_rot)))
+        for ours, theirs, ref_, what in zip(errs, eager, ref, ("q_rot", "k_rot", "dq", "dk"), strict=True):
+            assert ours <= 1.05 * rel_err(theirs, ref_) + 1e-6, f"{what}: worse than eager bf16"
+
+
+def test_rope_general_cos_sin_halves():
+    """Arbitrary cos/sin whose halves differ: catches any mix-up of halves that duplicated (HF) cos/sin would hide."""
+    B, S, hq, hkv, d = 2, 5, 6, 2, 96
+    _, q, k = _qk(B, S, hq, hkv, d, torch.float32, fused=True, seed=21)
+    cos, sin = randn(B, S, d, seed=22), randn(B, S, d, seed=23)
+    dq_rot, dk_rot = randn(B, S, hq, d, seed=24), randn(B, S, hkv, d, seed=25)
+    assert_triton_runs(q)
+    q_rot, k_rot = apply_rope(q, k, cos, sin)
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (dq_rot, dk_rot))
+    for ours, ref, what in zip((q_rot, k_rot, dq, dk), _float64(q, k, cos, sin, dq_rot, dk_rot),
+                               ("q_rot", "k_rot", "dq", "dk"), strict=True):
+        assert_rel(ours, ref, torch.float32, what)
+
+
+def test_rope_matches_transformers_apply_rotary_pos_emb():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    B, S, hq, hkv, d = 2, 9, 6, 2, 96
+    _, q, k = _qk(B, S, hq, hkv, d, torch.float32, fused=True, seed=11)
+    cos, sin = _cos_sin(_positions(B, S, True, 11), d, torch.float32)
+    assert_triton_runs(q)
+    q_rot, k_rot = apply_rope(q, k, cos, sin)
+    hf_q, hf_k = apply_rotary_pos_emb(q.detach().transpose(1, 2), k.detach().transpose(1, 2), cos, sin)
+    assert_rel(q_rot, hf_q.transpose(1, 2), torch.float32, "q_rot vs transformers", bound=1e-6)
+    assert_rel(k_rot, hf_k.transpose(1, 2), torch.float32, "k_rot vs transformers", bound=1e-6)
+
+
+def test_rope_batch_one_cos_and_non_unit_last_stride():
+    """cos/sin (1, S, D) shared by a batch of 3; q and k whose last dim is strided (copied, not rejected)."""
+    B, S, hq, hkv, d = 3, 4, 4, 2, 64
+    q = randn(B, S, d, hq, seed=1).transpose(-1, -2).requires_grad_()
+    k = randn(B, S, d, hkv, seed=2).transpose(-1, -2).requires_grad_()
+    cos, sin = _cos_sin(torch.arange(S)[None], d, torch.float32)
+    dq_rot, dk_rot = randn(B, S, hq, d, seed=3), randn(B, S, hkv, d, seed=4)
+    assert q.stride(-1) != 1
+    assert_triton_runs(q)
+    q_rot, k_rot = apply_rope(q, k, cos, sin)
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (dq_rot, dk_rot))
+    for ours, ref, what in zip((q_rot, k_rot, dq, dk), _float64(q, k, cos, sin, dq_rot, dk_rot),
+                               ("q_rot", "k_rot", "dq", "dk"), strict=True):
+        assert_rel(ours, ref, torch.float32, what)
+
+
+def test_rope_reference_path_matches_kernel(monkeypatch):
+    """The pure-PyTorch fallback (taken when use_triton is False) agrees with the kernel and gives no cos grad."""
+    B, S, hq, hkv, d = 2, 5, 4, 2, 96
+    _, q, k = _qk(B, S, hq, hkv, d, torch.float32, fused=True, seed=5)
+    cos, sin = _cos_sin(_positions(B, S, True, 5), d, torch.float32)
+    assert_triton_runs(q)
+    ours = apply_rope(q, k, cos, sin)
+    monkeypatch.setattr(rope_mod, "use_triton", lambda x: False)
+    ref = apply_rope(q, k, cos, sin)
+    for a, b in zip(ours, ref, strict=True):
+        assert_rel(a, b, torch.float32, "kernel vs reference", bound=1e-6)
+    direct = rope_reference(q, k, cos, sin)
+    assert all(torch.equal(a, b) for a, b in zip(ref, direct, strict=True))
+
+
+def test_rope_custom_ops_pass_opcheck():
+    """The registered ops pass torch.library's checks: schema (no hidden mutation / aliasing) everywhere, and
+    fake-tensor tracing on CUDA. Under TRITON_INTERPRET, torch's wrap_triton hands the interpreted kernel
+    itself back (no tracing HOP), so fake tensors would reach the interpreter: that check needs a GPU."""
+    _, q, k = _qk(1, 3, 4, 2, 64, torch.float32, fused=True, seed=7)
+    cos, sin = _cos_sin(torch.arange(3), 64, torch.float32)
+    args = (q.detach(), k.detach(), cos, sin)
+    checks = ("test_schema", "test_faketensor") if DEVICE.type == "cuda" else ("test_schema",)
+    for op in (torch.ops.ligermodels.rope_fwd.default, torch.ops.ligermodels.rope_bwd.default):
+        torch.library.opcheck(op, args, test_utils=checks)
+
+
+def test_rope_empty_sequence():
+    q, k = torch.zeros(2, 0, 4, 64, device=DEVICE), torch.zeros(2, 0, 2, 64, device=DEVICE)
+    cos = torch.zeros(0, 64, device=DEVICE)
+    q_rot, k_rot = apply_rope(q, k, cos, cos)
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape
+
+
+def test_rope_rejects_bad_shapes():
+    z = lambda *s, dtype=torch.float32: torch.zeros(*s, dtype=dtype, device=DEVICE)
+    q, k, cs = z(2, 5, 4, 64), z(2, 5, 2, 64), z(2, 5, 64)
+    with pytest.raises(ValueError, match="4-D"):
+        apply_rope(z(10, 4, 64), k, cs, cs)
+    with pytest.raises(ValueError, match="batch"):
+        apply_rope(q, z(3, 5, 2, 64), cs, cs)
+    with pytest.raises(ValueError, match="seq"):
+        apply_rope(q, z(2, 6, 2, 64), cs, cs)
+    with pytest.raises(ValueError, match="head_dim"):
+        apply_rope(q, z(2, 5, 2, 32), cs, cs)
+    with pytest.raises(ValueError, match="even"):
+        apply_rope(z(2, 5, 4, 63), z(2, 5, 2, 63), z(5, 63), z(5, 63))
+    with pytest.raises(ValueError, match="cos/sin head_dim"):
+        apply_rope(q, k, z(2, 5, 32), z(2, 5, 32))
+    with pytest.raises(ValueError, match="cos/sin seq"):
+        apply_rope(q, k, z(2, 4, 64), z(2, 4, 64))
+    with pytest.raises(ValueError, match="cos/sin batch"):
+        apply_rope(q, k, z(3, 5, 64), z(3, 5, 64))
+    with pytest.raises(ValueError, match="one shape"):
+        apply_rope(q, k, z(2, 5, 64), z(5, 64))
+    with pytest.raises(ValueError, match="dtype"):
+        apply_rope(q, z(2, 5, 2, 64, dtype=torch.bfloat16), cs, cs)
