@@ -597,7 +597,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     if target.device != logits.device:
         raise ValueError(f"cross_entropy: target on {target.device}, logits on {logits.device}")
     x = logits.reshape(-1, logits.shape[-1])
-    loss = CrossEntropyFunction.apply(x, target.reshape(-1), None, ignore_index, float(label_smoothing),
+    loss = CrossEntropyFunction.apply(x, target.reshape(-1).contiguous(), None, ignore_index, float(label_smoothing),
                                       float(lse_square_scale), float(softcap or 0.0), reduction)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
@@ -647,6 +647,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
     loss = FusedLinearCrossEntropyFunction.apply(
-        h2, weight, bias, target.reshape(-1), num_items if reduction == "mean" else None, ignore_index,
+        h2, weight, bias, target.reshape(-1).contiguous(), num_items if reduction == "mean" else None, ignore_index,
         float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction, want_h, want_w, want_b)
     return loss.reshape(target.shape) if reduction == "none" else loss

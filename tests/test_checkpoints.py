@@ -96,3 +96,14 @@ def test_keymap_expands_layers_and_lists_qkv_in_order():
     table = expand(STANDARD, 2)
     assert table["layers.1.attn.qkv.weight"] == tuple(f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv")
     assert "layers.2.attn.qkv.weight" not in table
+
+
+def test_verify_command_prints_relative_error(ckpt):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "checkpoints_tools", "verify", str(ckpt), "--device", "cpu"],
+                         capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    err = float(out.stdout.split("relative error vs transformers")[1].split(":")[1])
+    assert err < 1e-4, out.stdout

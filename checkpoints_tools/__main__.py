@@ -1,0 +1,56 @@
+"""Command line: ``python -m checkpoints_tools verify DIR_OR_REPO [--dtype fp32] [--device cpu]``.
+
+Loads the checkpoint with ligermodels and, when transformers is installed, with transformers too,
+runs both on the same random tokens and prints the relative error of the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from checkpoints_tools.hf_io import load_hf, to_dtype
+from checkpoints_tools.hub import resolve
+
+
+def verify(repo_or_dir: str, dtype: str = "fp32", device: str = "cpu", seq: int = 32, batch: int = 2,
+           revision: str | None = None) -> float | None:
+    """Relative error ||ours - transformers|| / ||transformers|| of the logits, or None without transformers."""
+    directory = resolve(repo_or_dir, revision)
+    dt = to_dtype(dtype)
+    ours = load_hf(directory, dtype=dt, device=device)
+    print(f"ligermodels: loaded {type(ours).__name__} ({sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M "
+          f"parameters, {dt}) from {directory}")
+    ids = torch.randint(0, ours.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = ours(ids.to(device)).double().cpu()
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed: only the ligermodels load was checked")
+        return None
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dt).to(device).eval()
+    with torch.no_grad():
+        ref = theirs(input_ids=ids.to(device)).logits.double().cpu()
+    err = ((logits - ref).norm() / ref.norm()).item()
+    print(f"logits relative error vs transformers {transformers.__version__}: {err:.3e}")
+    return err
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_tools", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="compare ligermodels' logits with transformers' on random tokens")
+    v.add_argument("model", help="checkpoint directory or hub repo id")
+    v.add_argument("--dtype", default="fp32")
+    v.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    v.add_argument("--revision", default=None)
+    args = ap.parse_args(argv)
+    verify(args.model, args.dtype, args.device, revision=args.revision)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
