@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for what in "${@:-all}"; do
   case $what in
-    tests|all) python3 -m pytest -q -x -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40 ;;&
+    tests|all) python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40 ;;&
     kernels|all) python3 -m benchmarks.bench_kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" ;;&
     flce|all) python3 -m benchmarks.bench_flce --out "$OUT" 2>&1 | tee "$OUT/bench_flce.log" ;;&
     *) ;;

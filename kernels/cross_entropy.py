@@ -56,12 +56,14 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import LIB, compute_dtype, row_block, row_warps, use_triton
+from kernels._common import INTERPRET, LIB, compute_dtype, row_block, row_warps, use_triton
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 #: Largest block (elements of one row) a CE program loads at once; rows longer than this are looped over.
 CE_MAX_BLOCK: int = 4096
+#: When set, forces the rows per CE program (else chosen from V, see ``_ce_tile``).
+CE_ROWS: int | None = None
 #: Bytes the FLCE (C, V) logits chunk buffer may take; the chunk size C follows from it (and V, dtype).
 FLCE_CHUNK_BUDGET_BYTES: int = int(os.environ.get("LIGERMODELS_FLCE_CHUNK_BYTES", 1 << 30))
 #: When set, forces the FLCE chunk size (tokens per chunk); tests use it to run many chunks on small shapes.
@@ -94,44 +96,46 @@ def _softcap(x, cap):
 
 @triton.jit
 def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_ptr, stride_g,
-               n_cols, ignore_index, eps, zscale, cap,
+               n_rows, n_cols, ignore_index, eps, zscale, cap,
                FWD: tl.constexpr, BWD: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
-               ZLOSS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row (token) of V logits.
+               ZLOSS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """ROWS rows (tokens) of V logits per program, V walked in BLOCK-wide steps; all math in fp32.
 
-    FWD: loop over the row once (online max and sum-exp), store loss[row] and lse[row].
-    Otherwise lse[row] is read. BWD: loop over the row again and store
-    dx[row] = g[row * stride_g] * d loss / d x (dx may be x itself: each element is read, then
-    overwritten, by the same program). All math in fp32.
+    FWD: one pass over the rows (online max and sum-exp) stores loss[row] and lse[row];
+    otherwise lse[row] is read. BWD: a second pass stores
+    dx[row] = g[row * stride_g] * d loss / d x (dx may be x itself: every element is read, then
+    overwritten, by the same program). ROWS is 1 for long rows (large vocabularies).
     """
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    y = tl.load(y_ptr + row).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     valid = y != ignore_index
     in_range = (y >= 0) & (y < n_cols)
     tl.device_assert(in_range | (~valid), "cross_entropy: target out of [0, V) and not ignore_index")
     bad = valid & (~in_range)
-    offs = tl.arange(0, BLOCK)
+    x_rows = x_ptr + rows[:, None] * stride_x
+    offs = tl.arange(0, BLOCK)[None, :]
 
     if FWD:
-        m = -float("inf")
-        s = 0.0
-        zsum = 0.0
+        m = tl.full([ROWS], -float("inf"), tl.float32)
+        s = tl.zeros([ROWS], tl.float32)
+        zsum = tl.zeros([ROWS], tl.float32)
         for off in range(0, n_cols, BLOCK):
             cols = off + offs
-            mask = cols < n_cols
-            z = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            col_ok = cols < n_cols
+            z = tl.load(x_rows + cols, mask=row_ok[:, None] & col_ok, other=0.0).to(tl.float32)
             if SOFTCAP:
                 z, _ = _softcap(z, cap)
             if SMOOTH:
-                zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-            z = tl.where(mask, z, -float("inf"))
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+                zsum += tl.sum(tl.where(col_ok, z, 0.0), axis=1)
+            z = tl.where(col_ok, z, -float("inf"))  # rows past n_rows read 0: finite, discarded
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
             m = m_new
         lse = m + tl.log(s)
         # target logit, read before the gradient pass may overwrite the row in place
-        zy = tl.load(x_row + tl.where(valid & in_range, y, 0)).to(tl.float32)
+        zy = tl.load(x_ptr + rows * stride_x + tl.where(valid & in_range, y, 0), mask=row_ok, other=0.0)
+        zy = zy.to(tl.float32)
         if SOFTCAP:
             zy, _ = _softcap(zy, cap)
         loss = lse - (1.0 - eps) * zy
@@ -141,35 +145,38 @@ def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_p
             loss += zscale * lse * lse
         loss = tl.where(valid, loss, 0.0)
         loss = tl.where(bad, float("nan"), loss)
-        tl.store(loss_ptr + row, loss)
-        tl.store(lse_ptr + row, lse)
+        tl.store(loss_ptr + rows, loss, mask=row_ok)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
     else:
-        lse = tl.load(lse_ptr + row)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
 
     if BWD:
-        g = tl.load(g_ptr + row * stride_g).to(tl.float32)
+        g = tl.load(g_ptr + rows * stride_g, mask=row_ok, other=0.0).to(tl.float32)
         coef = tl.where(valid, g, 0.0)
         coef = tl.where(bad, float("nan"), coef)
         coef_p = coef
         if ZLOSS:
             coef_p = coef * (1.0 + 2.0 * zscale * lse)
-        coef_y = (1.0 - eps) * coef
-        coef_s = eps / n_cols * coef
-        dx_row = dx_ptr + row * stride_dx
+        coef_y = ((1.0 - eps) * coef)[:, None]
+        coef_s = (eps / n_cols * coef)[:, None]
+        coef_p = coef_p[:, None]
+        lse2 = lse[:, None]
+        y2 = y[:, None]
+        dx_rows = dx_ptr + rows[:, None] * stride_dx
         for off in range(0, n_cols, BLOCK):
             cols = off + offs
-            mask = cols < n_cols
-            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            mask = row_ok[:, None] & (cols < n_cols)
+            x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
             if SOFTCAP:
                 z, dz = _softcap(x, cap)
             else:
                 z = x
-            d = tl.exp(z - lse) * coef_p - tl.where(cols == y, coef_y, 0.0)
+            d = tl.exp(z - lse2) * coef_p - tl.where(cols == y2, coef_y, 0.0)
             if SMOOTH:
                 d -= coef_s
             if SOFTCAP:
                 d *= dz
-            tl.store(dx_row + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_rows + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -183,19 +190,28 @@ def _scale_cast_kernel(src_ptr, dst_ptr, g_ptr, n, BLOCK: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------ launching
-def _ce_block(n_cols: int) -> int:
-    return min(row_block(n_cols), CE_MAX_BLOCK)
+def _ce_tile(n_cols: int) -> tuple[int, int]:
+    """(ROWS, BLOCK) of a CE program: BLOCK covers the row up to CE_MAX_BLOCK; short rows share a program.
+
+    On the GPU a tile holds about 4096 elements (one row per program for vocabularies >= 4096). The
+    interpreter pays per operation rather than per element, so there tiles are larger.
+    """
+    block = min(row_block(n_cols), CE_MAX_BLOCK)
+    if CE_ROWS is not None:
+        return row_block(CE_ROWS), block
+    tile = 16384 if INTERPRET else 4096
+    return max(1, min(32, tile // block)), block
 
 
 def _launch_ce(kernel, x, dx, target, loss, lse, g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd):
     """Launch ``_ce_kernel`` (``kernel`` is it, or ``wrap_triton`` of it) over the rows of ``x`` (rows, V)."""
-    rows, n_cols = x.shape
-    block = _ce_block(n_cols)
-    kernel[(rows,)](
+    n_rows, n_cols = x.shape
+    rows, block = _ce_tile(n_cols)
+    kernel[(triton.cdiv(n_rows, rows),)](
         x, x.stride(0), dx, dx.stride(0), target, loss, lse, g, stride_g,
-        n_cols, ignore_index, eps, zscale, cap if cap else 1.0,
-        FWD=fwd, BWD=bwd, SOFTCAP=bool(cap), SMOOTH=eps != 0.0, ZLOSS=zscale != 0.0, BLOCK=block,
-        num_warps=row_warps(block))
+        n_rows, n_cols, ignore_index, eps, zscale, cap if cap else 1.0,
+        FWD=fwd, BWD=bwd, SOFTCAP=bool(cap), SMOOTH=eps != 0.0, ZLOSS=zscale != 0.0, ROWS=rows, BLOCK=block,
+        num_warps=row_warps(rows * block))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

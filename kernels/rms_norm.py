@@ -125,16 +125,23 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _bwd_tiling(cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the backward: it keeps fewer programs alive (each owns an fp32
+    partial dw), so each iteration moves more rows (~8192 elements) to keep enough loads in flight."""
+    block_n = row_block(cols)
+    block_m = max(1, min(16, 8192 // block_n))
+    return block_m, block_n, 8 if block_m * block_n >= 8192 else row_warps(block_m * block_n)
+
+
 def _bwd_programs(device: torch.device, rows: int, block_m: int, block_n: int) -> int:
-    """Programs of the backward kernel: a few per SM (more for short rows, to keep enough loads in
-    flight), but at least ~16 rows each so the fp32 partial-dw buffer stays small next to the rows.
+    """Programs of the backward kernel: two per SM, each looping over a contiguous range of rows, so
+    the fp32 partial-dw buffer (programs, H) stays small next to the rows it summarises.
     The interpreter runs programs one after the other, so there a handful suffice."""
     tiles = triton.cdiv(rows, block_m)
     if device.type != "cuda" or INTERPRET:
         return max(1, min(tiles, 4))
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    per_sm = max(1, min(8, 16384 // (block_m * block_n)))
-    return max(1, min(tiles, sms * per_sm, max(sms, rows // 16)))
+    return max(1, min(tiles, 2 * sms))
 
 
 def _launch_fwd(x2, r2, weight, y2, h2, rstd, eps: float, offset: float, casting: int, has_residual: bool) -> None:
@@ -184,11 +191,11 @@ def _rms_norm_bwd(dy: torch.Tensor, dh: torch.Tensor, x: torch.Tensor, weight: t
     dh2 = as_rows(dh) if has_dh else dy2
     rows, cols = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, warps = _rows_per_block(cols)
+    block_m, block_n, warps = _bwd_tiling(cols)
     programs = _bwd_programs(x.device, rows, block_m, block_n) if rows > 0 else 0
     rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_m) * block_m if programs else 0
     programs = triton.cdiv(rows, rows_per_program) if programs else 0
-    partial = torch.zeros(programs, cols, dtype=torch.float32, device=x.device)
+    partial = torch.empty(programs, cols, dtype=torch.float32, device=x.device)  # every row written
     if rows * cols > 0:
         dx2 = dx.view(rows, cols)
         wrap_triton(_rms_norm_bwd_kernel)[(programs,)](

@@ -11,6 +11,8 @@ one kernel pass, which is the same arithmetic (and rounding) as HF's ``residual 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -18,6 +20,9 @@ from kernels import apply_rope, fused_add_rms_norm, geglu, rms_norm, swiglu
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.rope import RopeConfig, inv_freq, rope_cos_sin
+
+if TYPE_CHECKING:
+    from ligermodels.generation import LayerKVCache
 
 
 class RMSNorm(nn.Module):
@@ -80,6 +85,7 @@ class Attention(nn.Module):
 
     (B, S, H) -> (B, S, H). The q/k/v projection output is viewed as (B, S, Hq + 2*Hkv, D) and
     split along heads (views, no copies); ``apply_rope`` reads that strided layout directly.
+    With a ``cache`` (generation), the new k/v are written into it and attention reads it instead.
     """
 
     def __init__(self, config: DecoderConfig, window: int | None = None):
@@ -91,12 +97,15 @@ class Attention(nn.Module):
         self.o = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: AttentionMask | None = None) -> torch.Tensor:
+                mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         q, k = apply_rope(q, k, cos, sin)
-        o = causal_attention(q, k, v, mask, self.window, self.scale, self.dropout if self.training else 0.0)
+        if cache is not None:  # generation: store k/v in the cache, attend over it
+            o = cache.attend(q, k, v, mask, self.window, self.scale)
+        else:
+            o = causal_attention(q, k, v, mask, self.window, self.scale, self.dropout if self.training else 0.0)
         return self.o(o.reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -124,7 +133,7 @@ class DecoderLayer(nn.Module):
 
     ``forward(x, residual, ...)`` takes the previous block's output ``x`` and the residual stream
     (None for the first layer, where ``x`` is the embedding) and returns (mlp output, residual);
-    the caller's next norm adds the two.
+    the caller's next norm adds the two. ``cache`` is this layer's KV cache during generation.
     """
 
     def __init__(self, config: DecoderConfig, layer_idx: int = 0):
@@ -137,12 +146,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                mask: AttentionMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: AttentionMask | None = None, cache: LayerKVCache | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = x, self.attn_norm(x)
         else:
             h, residual = self.attn_norm(x, residual)
-        h, residual = self.mlp_norm(self.attn(h, cos, sin, mask), residual)
+        h, residual = self.mlp_norm(self.attn(h, cos, sin, mask, cache), residual)
         return self.mlp(h), residual
 
 

@@ -7,6 +7,8 @@ returns logits; ``loss`` returns the next-token loss through ``fused_linear_cros
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,9 @@ from kernels import fused_linear_cross_entropy
 from ligermodels.attention import AttentionMask
 from ligermodels.blocks import DecoderLayer, RMSNorm, RotaryEmbedding, init_linear_
 from ligermodels.config import DecoderConfig
+
+if TYPE_CHECKING:
+    from ligermodels.generation import KVCacheStep
 
 
 class CausalLM(nn.Module):
@@ -52,7 +57,7 @@ class CausalLM(nn.Module):
 
     # --------------------------------------------------------------------------------- forward
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | None = None, cache: KVCacheStep | None = None) -> torch.Tensor:
         """Final-norm hidden states (B, S, H) for token ids (B, S).
 
         Args:
@@ -60,6 +65,8 @@ class CausalLM(nn.Module):
                 that restart at 0 for each document.
             document_ids: (B, S) ids; tokens attend only within their own document. Derive them from
                 restarting positions with :func:`document_ids_from_positions`.
+            cache: generation only: one step of a :class:`ligermodels.generation.KVCache` (its
+                ``step(...)``); the layers write their k/v into it and attend over it.
         """
         b, s = input_ids.shape
         if position_ids is None:
@@ -70,8 +77,8 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary(position_ids)
         mask = AttentionMask(s, document_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, mask, None if cache is None else cache[i])
         return self.norm(x, residual)[0]
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -94,6 +101,23 @@ class CausalLM(nn.Module):
         target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
         return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight, target.reshape(-1),
                                           ignore_index=ignore_index, num_items=num_items, **loss_options)
+
+    # ------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None,
+                 generator: torch.Generator | None = None, compile: bool = False) -> torch.Tensor:
+        """Token ids (B, S + new) continuing ``input_ids`` (B, S), with a static KV cache.
+
+        Greedy when ``temperature`` is 0, else sampling with ``top_k`` / ``top_p``; left padding through
+        ``attention_mask`` (B, S); rows stop at ``eos_token_id``. See :func:`ligermodels.generation.generate`.
+        """
+        from ligermodels.generation import generate
+
+        return generate(self, input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, attention_mask=attention_mask, pad_token_id=pad_token_id,
+                        generator=generator, compile=compile)
 
     # ------------------------------------------------------------------------ checkpoints
     @classmethod

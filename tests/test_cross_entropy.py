@@ -155,6 +155,21 @@ def test_cross_entropy_leading_dims_and_expanded_upstream_gradient():
     assert_rel(logits.grad, x64.grad, torch.float32, "dlogits")
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_cross_entropy_rows_per_program(monkeypatch, rows):
+    """One row per program (the GPU layout for large V) and a row count that does not divide N."""
+    monkeypatch.setattr(ce, "CE_ROWS", rows)
+    opts, _ = OPTIONS["all"]
+    logits = randn(10, 777, seed=11).requires_grad_()
+    target = _targets(10, 777, True, opts["ignore_index"])
+    dout = randn(10, seed=12)
+    assert_triton_runs(logits)
+    cross_entropy(logits, target, reduction="none", **opts).backward(dout)
+    x64 = logits.detach().double().requires_grad_()
+    _math64(x64, target, reduction="none", **opts).backward(dout.double())
+    assert_rel(logits.grad, x64.grad, torch.float32, "dlogits")
+
+
 def test_out_of_range_target_is_poisoned_not_silent():
     """A target outside [0, V) (not ignore_index) yields NaN for that token instead of a wrong number."""
     logits = randn(4, 50, seed=7)
@@ -332,9 +347,9 @@ def test_chunk_plan_bounds_memory_independently_of_tokens(monkeypatch):
 def test_reference_path_is_used_without_triton(monkeypatch):
     """use_triton False (CPU without the interpreter): the public functions are the references."""
     monkeypatch.setattr(ce, "use_triton", lambda x: False)
-    logits = randn(10, 77, seed=80)
-    target = _targets(10, 77, True, seed=81)
     opts = OPTIONS["all"][0]
+    logits = randn(10, 77, seed=80)
+    target = _targets(10, 77, True, opts["ignore_index"], seed=81)
     assert torch.equal(cross_entropy(logits, target, **opts), cross_entropy_reference(logits, target, **opts))
     x64 = logits.double()
     assert_rel(cross_entropy_reference(logits, target, reduction="none", **opts),
