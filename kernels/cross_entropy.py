@@ -16,8 +16,9 @@ input dtype (the kernels compute it in fp32; rounding it to bf16 would only thro
 
 Targets outside [0, V) that are not ``ignore_index`` cannot be checked on the host without a
 device sync, so the kernels poison them instead: such a token's loss and gradient row are NaN
-(never a silently wrong finite value), and with ``TRITON_DEBUG=1`` (or in the interpreter) a device
-assert names the problem. The PyTorch reference raises an index error.
+(never a silently wrong finite value, and it propagates into a reduced loss and the parameter
+gradients); with ``TRITON_DEBUG=1`` on the GPU a device-side assert also names the problem. The
+PyTorch reference raises an index error.
 
 Design (no host-device synchronisation anywhere, forward or backward):
 
@@ -67,7 +68,7 @@ CE_ROWS: int | None = None
 #: Bytes the FLCE (C, V) logits chunk buffer may take; the chunk size C follows from it (and V, dtype).
 FLCE_CHUNK_BUDGET_BYTES: int = int(os.environ.get("LIGERMODELS_FLCE_CHUNK_BYTES", 1 << 30))
 #: When set, forces the FLCE chunk size (tokens per chunk); tests use it to run many chunks on small shapes.
-FLCE_CHUNK_SIZE: int | None = int(os.environ["LIGERMODELS_FLCE_CHUNK"]) if os.environ.get("LIGERMODELS_FLCE_CHUNK") else None
+FLCE_CHUNK_SIZE: int | None = int(os.environ.get("LIGERMODELS_FLCE_CHUNK", 0)) or None
 _SCALE_BLOCK = 2048
 
 
@@ -322,10 +323,11 @@ def flce_chunk_plan(n_tokens: int, hidden_size: int, vocab_size: int, dtype: tor
 _ADDMM_OUT_DTYPE_OK: bool | None = None  # learnt on first use: does torch.addmm(..., out_dtype=fp32) work here?
 
 
-def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` fp32 and the products accumulated in fp32 for any input dtype.
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 1.0) -> None:
+    """``acc = beta * acc + a @ b`` with ``acc`` fp32, the products accumulated in fp32 for any input dtype.
 
-    fp32 inputs: ``addmm_``. bf16/fp16 on CUDA: ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)``
+    ``beta = 0`` (the first chunk) ignores ``acc``'s contents, so the accumulator needs no zero fill.
+    fp32 inputs: ``addmm``. bf16/fp16 on CUDA: ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)``
     -- one cuBLAS GEMM with fp32 output and beta = 1, i.e. the bf16 products of this chunk are summed
     in fp32 and added to the fp32 accumulator with no intermediate rounding to bf16 (torch >= 2.10
     accepts an fp32 ``self`` there). Elsewhere (CPU, or a torch where that overload refuses), the
@@ -333,18 +335,18 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
     """
     global _ADDMM_OUT_DTYPE_OK
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
+        torch.addmm(acc, a, b, beta=beta, out=acc)
         return
     if acc.device.type == "cuda" and _ADDMM_OUT_DTYPE_OK is not False:
         try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, beta=beta, out=acc)
             _ADDMM_OUT_DTYPE_OK = True
             return
         except (RuntimeError, TypeError):  # argument checks only: raised on the host, before any launch
             if _ADDMM_OUT_DTYPE_OK:
                 raise
             _ADDMM_OUT_DTYPE_OK = False
-    acc.addmm_(a.float(), b.float())
+    torch.addmm(acc, a.float(), b.float(), beta=beta, out=acc)
 
 
 def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
@@ -366,10 +368,10 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     loss = torch.empty(n if fwd else 0, **f32)
     lse = torch.empty(n, **f32) if fwd else lse_in
     dh = torch.empty((n, h_size) if want_h else (0,), dtype=dt, device=dev)
-    dw = torch.zeros((v, h_size) if want_w else (0,), **f32)
+    dw = torch.empty((v, h_size) if want_w else (0,), **f32)  # the first chunk overwrites it (beta = 0)
     db = torch.zeros(v if want_b else 0, **f32)
     if n == 0:
-        return loss, lse, dh, dw, db
+        return loss, lse, dh, dw.zero_(), db
     c = flce_chunk_plan(n, h_size, v, dt).chunk_size
     buf = torch.empty(min(c, n), v, dtype=dt, device=dev)
     wt = weight.t()
@@ -387,7 +389,7 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if want_h:
             torch.mm(logits, weight, out=dh[s:e])
         if want_w:
-            _accumulate_fp32(dw, logits.t(), hc)
+            _accumulate_fp32(dw, logits.t(), hc, beta=0.0 if s == 0 else 1.0)
         if want_b:
             db += logits.sum(0, dtype=torch.float32)
     return loss, lse, dh, dw, db
@@ -603,9 +605,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         softcap: apply ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         reduction: "mean" (over non-ignored tokens; 0 when all are ignored), "sum" or "none".
     Returns:
-        fp32 loss: 0-dim, or shaped like ``target`` for "none".
+        fp32 loss: 0-dim, or shaped like ``target`` for "none" (float64 logits: the float64 reference).
     """
     _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"cross_entropy: logits need a non-empty class dim, got shape {tuple(logits.shape)}")
     _check_target(target, logits.shape[:-1], "cross_entropy")
     if not use_triton(logits) or logits.dtype == torch.float64:
         return cross_entropy_reference(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap,
@@ -640,21 +644,26 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     and bias gradients are accumulated in fp32 over the chunks and cast to the parameter dtype once.
     """
     _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
-    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1] or weight.shape[0] == 0:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
-                         f"{tuple(weight.shape)} do not fit (weight must be (V, H))")
+                         f"{tuple(weight.shape)} do not fit (weight must be (V, H), V > 0)")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: bias shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
     _check_target(target, hidden.shape[:-1], "fused_linear_cross_entropy")
     if not use_triton(hidden) or hidden.dtype == torch.float64:
         return fused_linear_cross_entropy_reference(hidden, weight, target, bias, ignore_index, label_smoothing,
                                                     lse_square_scale, softcap, reduction, num_items)
-    dtypes = {hidden.dtype, weight.dtype} | ({bias.dtype} if bias is not None else set())
-    if len(dtypes) > 1:
-        raise TypeError(f"fused_linear_cross_entropy: hidden, weight and bias must share one dtype, got {dtypes}")
-    devs = {hidden.device, weight.device, target.device} | ({bias.device} if bias is not None else set())
-    if len(devs) > 1:
-        raise ValueError(f"fused_linear_cross_entropy: all tensors must be on one device, got {devs}")
+    dev_type = hidden.device.type
+    if torch.is_autocast_enabled(dev_type):  # as F.linear would: run the matmuls in the autocast dtype
+        dt = torch.get_autocast_dtype(dev_type)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = bias.to(dt) if bias is not None else None
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"fused_linear_cross_entropy: hidden, weight and bias must share one dtype, got "
+                        f"{hidden.dtype}, {weight.dtype}, {bias.dtype if bias is not None else None}")
+    if weight.device != hidden.device or target.device != hidden.device or (
+            bias is not None and bias.device != hidden.device):
+        raise ValueError("fused_linear_cross_entropy: hidden, weight, bias and target must be on one device")
     grad_on = torch.is_grad_enabled()
     want_h = grad_on and hidden.requires_grad
     want_w = grad_on and weight.requires_grad

@@ -3,6 +3,7 @@
     from ligermodels import LigerQwen2
     model = LigerQwen2.from_hf("Qwen/Qwen2-7B", dtype="bf16", device="cuda")
     loss = model.loss(input_ids, labels)
+    out = model.generate(input_ids, max_new_tokens=32)   # static KV cache; see ligermodels.generation
 
 The building kit (``RMSNorm``, ``Attention``, ``MLP``, ``DecoderLayer``, ``CausalLM``, ``DecoderConfig``)
 composes custom models from the same kernel blocks.
@@ -23,12 +24,14 @@ from ligermodels.families import (
     config_from_hf,
     config_to_hf,
 )
+from ligermodels.generation import KVCache, generate, sample_next
 from ligermodels.model import CausalLM, document_ids_from_positions
 from ligermodels.rope import RopeConfig
+from ligermodels.tokenizer import load_tokenizer
 
 __all__ = [
     "AttentionMask", "causal_attention", "MLP", "Attention", "DecoderLayer", "RMSNorm", "RotaryEmbedding",
     "DecoderConfig", "FAMILIES", "AutoLigerModel", "LigerGemma", "LigerLlama", "LigerMistral", "LigerPhi3",
     "LigerQwen2", "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
-    "document_ids_from_positions", "RopeConfig",
+    "document_ids_from_positions", "RopeConfig", "KVCache", "generate", "sample_next", "load_tokenizer",
 ]

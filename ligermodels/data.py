@@ -65,13 +65,14 @@ def read_jsonl(path: str) -> list[Example]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-            if isinstance(rec, dict) and isinstance(rec.get("text"), str):
+            rec = rec if isinstance(rec, dict) else {}
+            if isinstance(rec.get("text"), str):
                 examples.append(Example("", rec["text"]))
-            elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
+            elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
                 examples.append(Example(rec["prompt"], rec["completion"]))
             else:
-                raise DataError(f'{path} line {lineno}: expected {{"text": str}} or {{"prompt": str, "completion": str}}'
-                                f", got {line.strip()[:80]!r}")
+                raise DataError(f'{path} line {lineno}: expected {{"text": str}} or '
+                                f'{{"prompt": str, "completion": str}}, got {line.strip()[:80]!r}')
     if not examples:
         raise DataError(f"data file {path!r} holds no examples")
     return examples

@@ -62,6 +62,13 @@ def corpus(n: int = 20000, seed: int = 0, max_operand: int = 49) -> list[dict]:
     return records
 
 
+def addition_tests(n: int = 100, seed: int = 12345, max_operand: int = 49) -> list[tuple[str, str]]:
+    """``n`` (prompt, answer) additions drawn apart from the corpus's stream, to score the trained demo model."""
+    rng = random.Random(seed)
+    pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
+    return [(f"{a}+{b}=", str(a + b)) for a, b in pairs]
+
+
 def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:
     """A character-level tokenizer: ids 0-3 are ``<pad> <unk> <s> </s>``, then one id per character."""
     vocab = {tok: i for i, tok in enumerate((*SPECIALS, *alphabet))}

@@ -28,8 +28,9 @@ Checkpoints (``--save-every``): ``OUT/checkpoints/step_XXXXXXXX/`` holds the mod
 another number of ranks), ``train_state.json`` (step, rows consumed, LR schedule, the data
 settings) and ``rng_rankNNNNN.pt`` (each rank's RNG). It is written as ``step_XXXXXXXX.tmp`` and
 renamed when every rank's files are on disk, so ``--resume`` (which takes the newest
-``step_XXXXXXXX``) never sees a half-written one. A resumed run repeats the uninterrupted run's
-steps exactly. ``OUT/final/`` is an HF checkpoint (config.json, safetensors, tokenizer files).
+``step_XXXXXXXX``) never sees a half-written one (leftover ``*.tmp`` are deleted at start). A
+resumed run repeats the uninterrupted run's steps exactly; ``--keep-checkpoints`` prunes old ones.
+``OUT/final/`` is an HF checkpoint (config.json, safetensors, tokenizer files).
 
 Metrics: one JSON line per optimiser step in ``OUT/metrics.jsonl``: ``step`` (from 1), ``loss``
 (the global batch's mean), ``lr`` (used by this step), ``grad_norm`` (before clipping),
@@ -41,6 +42,7 @@ global batch, over all ranks, per second), ``mfu`` and ``peak_mem_gb`` (see :fun
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -73,7 +75,9 @@ from ligermodels import demo_corpus
 from ligermodels.config import DecoderConfig
 from ligermodels.data import DataError, Document, PackedRows, count_loss_tokens, read_jsonl, special_token_ids, tokenize
 from ligermodels.families import UnsupportedConfigError, config_from_hf, family_of
+from ligermodels.generation import generate
 from ligermodels.model import CausalLM, document_ids_from_positions
+from ligermodels.tokenizer import load_tokenizer
 
 
 class TrainError(RuntimeError):
@@ -83,10 +87,12 @@ class TrainError(RuntimeError):
 # ------------------------------------------------------------------------------------------ arguments
 #: Defaults shared by every run; then those of the demo or of a run on ``--model`` / ``--data``.
 COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=1.0,
-                       seed=0, ac="none", keep_checkpoints=3, log_every=10, resume=False, overwrite=False,
+                       seed=0, ac="none", keep_checkpoints=3, resume=False, overwrite=False,
                        from_scratch=False)
-DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=300, lr=3e-3, warmup_steps=20, save_every=100)
-RUN_DEFAULTS = dict(out=None, seq_len=2048, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500)
+DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20, save_every=200,
+                     log_every=50)
+RUN_DEFAULTS = dict(out=None, seq_len=None, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500,
+                    log_every=10)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,7 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="random init from --model's config.json instead of loading its weights")
     a("--data", help="JSON-lines file of {\"text\"} or {\"prompt\", \"completion\"} records")
     a("--out", help="output directory (checkpoints, metrics.jsonl, final/)")
-    a("--seq-len", type=int, help="tokens per packed row (clipped to the model's max_position_embeddings)")
+    a("--seq-len", type=int, help="tokens per packed row, at most the model's max_position_embeddings "
+                                  "(default for a run: min(2048, that))")
     a("--batch-size", type=int, help="rows per rank per micro-batch")
     a("--grad-accum", type=int, help="micro-batches per optimiser step")
     a("--steps", type=int, help="optimiser steps in total")
@@ -147,8 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but no CUDA device is visible")
     for name in ("batch_size", "grad_accum", "steps", "seq_len"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.resume and args.overwrite:
         p.error("--resume and --overwrite exclude each other")
@@ -209,15 +218,14 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
     """Read the config, tokenizer and data, and check them against each other; no weights are read."""
     model_dir = resolve(args.model)
     config = config_from_hf(read_config(model_dir))
+    if args.seq_len is None:
+        args.seq_len = min(2048, config.max_position_embeddings)
     if args.seq_len > config.max_position_embeddings:
         raise TrainError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings "
                          f"({config.max_position_embeddings})")
     if not args.from_scratch:
         safetensors_files(model_dir)  # fail here, on every rank, rather than on rank 0 alone later
-    tok_path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.isfile(tok_path):
-        raise TrainError(f"{model_dir} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(tok_path)
+    tokenizer = load_tokenizer(model_dir)
     bos, eos = special_token_ids(tokenizer, model_dir)
     documents = tokenize(read_jsonl(args.data), tokenizer, bos, eos)
     top = max((max(d.ids) for d in documents if d.ids), default=-1)
@@ -422,25 +430,20 @@ class Progress:
             line += f" | mfu {100 * m['mfu']:.1f}%"
         keep = m["step"] % self.every == 0 or m["step"] == self.total or m["step"] == 1
         if self.tty:
-            sys.stdout.write("\r" + line + ("\n" if keep else ""))
+            sys.stdout.write("\r" + line + "\x1b[K" + ("\n" if keep else ""))  # ESC[K: clear the rest
         elif keep:
             sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
 
 # ------------------------------------------------------------------------------------------ demo
-@torch.no_grad()
 def greedy_complete(model: CausalLM, tokenizer: Tokenizer, prompt: str, bos: int | None, eos: int | None,
                     max_new_tokens: int = 24) -> str:
-    """Greedy decoding by re-running the model on the growing sequence (no KV cache: short demos only)."""
+    """The greedy continuation of ``prompt`` (BOS added as in training), up to EOS, as text."""
     ids = ([bos] if bos is not None else []) + tokenizer.encode(prompt, add_special_tokens=False).ids
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        nxt = int(model(torch.tensor([ids + new]))[0, -1].argmax())
-        if nxt == eos:
-            break
-        new.append(nxt)
-    return tokenizer.decode(new)
+    prompt_ids = torch.tensor([ids], device=model.head_weight.device)
+    out = generate(model, prompt_ids, max_new_tokens, eos_token_id=eos)[0, len(ids):].tolist()
+    return tokenizer.decode(out[:out.index(eos)] if eos in out else out)
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -466,6 +469,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if rank == 0 and args.overwrite:
         for what in ("checkpoints", "final"):
             shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
+    if rank == 0:  # checkpoints a crash left half-written are never resumed from: drop them
+        for stale in glob.glob(os.path.join(args.out, "checkpoints", "step_*.tmp")):
+            shutil.rmtree(stale, ignore_errors=True)
     if args.demo:
         args.model, args.data = os.path.join(args.out, "demo", "model"), os.path.join(args.out, "demo", "data.jsonl")
         args.from_scratch = True
@@ -476,7 +482,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # -- inputs: every rank reads and checks them the same way, so a bad input stops every rank
     inputs = load_inputs(args)
     rows = PackedRows(inputs.documents, args.seq_len, args.seed)
-    resume_from = complete_checkpoints(args.out)[-1] if args.resume and complete_checkpoints(args.out) else None
+    found = complete_checkpoints(args.out) if args.resume else []
+    resume_from = found[-1] if found else None
     train_state = None
     if resume_from is not None:
         with open(os.path.join(resume_from[1], "train_state.json")) as f:
@@ -565,8 +572,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     say(f"wrote {final}")
     if args.demo and rank == 0:
         plain = CausalLM.from_hf(final, dtype=torch.float32)
+        complete = partial(greedy_complete, plain, inputs.tokenizer, bos=inputs.bos, eos=inputs.eos)
+        print("greedy completions from the exported checkpoint:")
         for prompt in demo_corpus.SAMPLE_PROMPTS:
-            print(f"  {prompt!r} -> {greedy_complete(plain, inputs.tokenizer, prompt, inputs.bos, inputs.eos)!r}")
+            print(f"  {prompt!r} -> {complete(prompt)!r}")
+        tests = demo_corpus.addition_tests(100)
+        right = sum(complete(prompt, max_new_tokens=4) == answer for prompt, answer in tests)
+        print(f"additions answered right: {right}/{len(tests)}")
 
 
 if __name__ == "__main__":

@@ -180,8 +180,8 @@ def test_out_of_range_target_is_poisoned_not_silent():
     assert torch.isnan(cross_entropy(logits, target))
     w = randn(50, 8, seed=8)
     assert torch.isnan(fused_linear_cross_entropy(randn(4, 8, seed=9), w, target, reduction="none")[2])
-    with pytest.raises((IndexError, RuntimeError)):  # the PyTorch reference raises
-        cross_entropy_reference(logits, target)
+    with pytest.raises((IndexError, RuntimeError)):  # the PyTorch reference raises (on CPU; CUDA device-asserts)
+        cross_entropy_reference(logits.cpu(), target.cpu())
 
 
 # ------------------------------------------------------------------------------------------- FLCE
@@ -328,6 +328,35 @@ def test_flce_chunk_size_does_not_change_the_result(monkeypatch):
         assert rel_err(a, c) <= 1e-6
 
 
+def test_flce_under_autocast_runs_in_the_autocast_dtype():
+    """fp32 parameters under autocast: the matmuls run in bf16 (as F.linear would), grads come back fp32."""
+    hidden, weight, b = _flce_case(torch.float32, 777, True, seed=75)
+    target = _targets(N_TOKENS, 777, True, seed=76)
+    assert_triton_runs(hidden)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, weight, target, b)
+    loss.backward()
+    assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    ref, dh, dw, db = _flce64(hidden, weight, b, target, torch.tensor(1.0))
+    for ours, r, what in [(loss, ref, "loss"), (hidden.grad, dh, "dhidden"), (weight.grad, dw, "dweight"),
+                          (b.grad, db, "dbias")]:
+        assert_rel(ours, r, torch.bfloat16, what)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the out_dtype overload exists on CUDA only")
+def test_addmm_out_dtype_accumulates_in_place_in_fp32():
+    """The weight-gradient accumulation relies on addmm(acc_fp32, bf16, bf16, out_dtype=fp32, out=acc)."""
+    a, b = randn(64, 32, dtype=torch.bfloat16, seed=1), randn(32, 48, dtype=torch.bfloat16, seed=2)
+    acc = torch.full((64, 48), float("nan"), device=DEVICE)
+    ce._accumulate_fp32(acc, a, b, beta=0.0)  # the first chunk ignores the (uninitialised) accumulator
+    want = a.double() @ b.double()
+    assert_rel(acc, want, torch.float32, "first chunk (beta = 0)")
+    c = randn(32, 64, dtype=torch.bfloat16, seed=4).T  # a transposed view, as dlogits.T is
+    ce._accumulate_fp32(acc, c, b)
+    assert ce._ADDMM_OUT_DTYPE_OK, "torch.addmm(..., out_dtype=float32, out=acc) is refused: slow fallback in use"
+    assert_rel(acc, want + c.double() @ b.double(), torch.float32, "fp32 accumulation")
+
+
 def test_chunk_plan_bounds_memory_independently_of_tokens(monkeypatch):
     monkeypatch.setattr(ce, "FLCE_CHUNK_SIZE", None)
     gib = 1 << 30
@@ -389,6 +418,28 @@ def test_flce_custom_ops_trace_with_fake_tensors():
     lse, g = randn(20, seed=92), randn(20, seed=93)
     torch.library.opcheck(torch.ops.ligermodels.flce_bwd.default,
                           (hidden, weight, None, target, lse, g, -100, 0.1, 1e-3, 3.0, True, True, False))
+
+
+def test_flce_none_compiles_fullgraph_through_the_custom_ops():
+    """Dynamo + AOTAutograd trace the public function, its autograd.Function and the FLCE custom ops with
+    fake tensors, no graph break. ("none" only: its forward and backward are custom ops with fake
+    implementations; triton_ops cannot be traced while the interpreter runs the kernels.)"""
+    hidden, weight, b = _flce_case(torch.float32, 300, True, seed=95)
+    target = _targets(N_TOKENS, 300, True, seed=96)
+    w_tok = torch.linspace(0, 1, N_TOKENS, device=DEVICE)
+    assert_triton_runs(hidden)
+
+    def f(h, w, bb):
+        return (fused_linear_cross_entropy(h, w, target, bb, softcap=3.0, reduction="none") * w_tok).sum()
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        hidden.grad = weight.grad = b.grad = None
+        out = fn(hidden, weight, b)
+        out.backward()
+        results.append([out.detach(), hidden.grad, weight.grad, b.grad])
+    for e, c in zip(*results, strict=True):
+        assert rel_err(c, e) <= 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter cannot take fake tensors")

@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
-
 import transformers
+
 from checkpoints_tools import hf_tensors, load_hf
 from ligermodels import AutoLigerModel, LigerLlama, LigerQwen2
 from tests.utils import DEVICE, assert_triton_runs, rel_err

@@ -1,0 +1,193 @@
+"""Fused linear cross-entropy benchmark: forward+backward time and peak extra memory.
+
+Run on a GPU:  python -m benchmarks.bench_flce [--tokens 16384] [--hidden 4096] [--vocab 128256 152064]
+                                               [--budgets-gib 2] [--out DIR]
+
+For each vocabulary, bf16 hidden (N, H) and LM head (V, H), 10% of the targets ignored, times
+``loss = f(hidden, weight, target); loss.backward()`` (median of CUDA-event timings, gradients reset
+between runs) and measures its peak extra memory: ``torch.cuda.max_memory_allocated()`` during one
+forward+backward, minus what was allocated before it (inputs, parameters) and minus the gradients
+it leaves (hidden.grad, weight.grad). Implementations, one after another in this process:
+
+* ``ligermodels``: :func:`kernels.cross_entropy.fused_linear_cross_entropy` (default chunk budget;
+  ``--budgets-gib`` adds rows with other chunk budgets, to tune ``FLCE_CHUNK_BUDGET_BYTES``);
+* ``eager``: ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` (the Hugging Face recipe);
+* ``compile``: the same under ``torch.compile``;
+* ``liger`` / ``liger-fp32acc``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (default, and with
+  ``accum_dtype=torch.float32`` where that version has it), when ``liger_kernel`` is importable.
+
+The matmul floor is ``6*N*H*V / rate`` with ``rate`` the measured dense bf16 matmul rate
+(:func:`benchmarks.harness.matmul_tflops`); the targets are ours/floor <= 1.15, faster than every
+baseline, and peak extra memory no higher than Liger's. Writes ``flce-<gpu>-<date>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import bench_ms, environment, matmul_tflops, write_results
+
+ce = importlib.import_module("kernels.cross_entropy")  # the module (kernels.cross_entropy is also a function)
+
+GIB = 1 << 30
+
+
+def _inputs(n: int, h: int, v: int, dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(n, h, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, device="cuda", dtype=dtype, generator=g) * h**-0.5).requires_grad_()
+    target = torch.randint(0, v, (n,), device="cuda", generator=g)
+    target[::10] = -100
+    return hidden, weight, target
+
+
+def _hf_loss(hidden, weight, target):
+    return F.cross_entropy(F.linear(hidden, weight).float(), target)
+
+
+def _impls(include_liger: bool, notes: list[str]) -> dict:
+    impls = {
+        "ligermodels": lambda h, w, t: ce.fused_linear_cross_entropy(h, w, t),
+        "eager": _hf_loss,
+        "compile": torch.compile(_hf_loss),
+    }
+    if not include_liger:
+        notes.append("liger: skipped (--no-liger)")
+        return impls
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception as e:  # not installed, or incompatible with this torch/triton
+        notes.append(f"liger: not importable ({type(e).__name__}: {str(e)[:200]})")
+        return impls
+    liger = LigerFusedLinearCrossEntropyLoss()
+    impls["liger"] = lambda h, w, t: liger(w, h, t)
+    try:
+        liger32 = LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32)
+        impls["liger-fp32acc"] = lambda h, w, t: liger32(w, h, t)
+    except TypeError:
+        notes.append("liger: this version has no accum_dtype (bf16 weight-gradient accumulation only)")
+    try:
+        import liger_kernel
+
+        notes.append(f"liger_kernel {getattr(liger_kernel, '__version__', '?')}")
+    except Exception:
+        pass
+    return impls
+
+
+def _peak_extra_bytes(fn, hidden, weight, target) -> int:
+    """Peak bytes one forward+backward allocates beyond what existed before and the gradients it leaves."""
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = fn(hidden, weight, target)
+    loss.backward()
+    del loss
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in (hidden, weight) if t.grad is not None)
+    hidden.grad = weight.grad = None
+    return peak - base - grads
+
+
+def _time_ms(fn, hidden, weight, target) -> float:
+    def step():
+        fn(hidden, weight, target).backward()
+
+    return bench_ms(step, grad_to_none=[hidden, weight], warmup=500, rep=3000)
+
+
+def _measure(name, fn, n, h, v, floor_ms, extra=None) -> dict:
+    row = {"impl": name, "N": n, "H": h, "V": v, **(extra or {})}
+    hidden, weight, target = _inputs(n, h, v)
+    try:
+        fn(hidden, weight, target).backward()  # warm-up: compilation, autotuning, cuBLAS handles
+        row["peak_extra_gb"] = round(_peak_extra_bytes(fn, hidden, weight, target) / 1e9, 3)
+        ms = _time_ms(fn, hidden, weight, target)
+        row.update(ms=round(ms, 3), floor_ms=round(floor_ms, 3), ratio_to_floor=round(ms / floor_ms, 3))
+    except Exception as e:  # an implementation that fails (e.g. out of memory) is reported, not hidden
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        traceback.print_exc()
+    finally:
+        del hidden, weight, target
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, nargs="*", default=[128256, 152064])
+    ap.add_argument("--budgets-gib", type=float, nargs="*", default=[2.0],
+                    help="extra ligermodels rows with these chunk budgets (GiB)")
+    ap.add_argument("--no-liger", action="store_true")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    n, h = args.tokens, args.hidden
+    notes: list[str] = []
+    rate = matmul_tflops()
+    print(f"bf16 matmul rate: {rate:.0f} TFLOP/s")
+    impls = _impls(not args.no_liger, notes)
+    rows = []
+    for v in args.vocab:
+        floor_ms = 6 * n * h * v / (rate * 1e9)
+        plan = ce.flce_chunk_plan(n, h, v, torch.bfloat16)
+        ours_info = {"chunk": plan.chunk_size, "n_chunks": plan.n_chunks,
+                     "predicted_extra_gb": round(plan.extra_bytes / 1e9, 3)}
+        for name, fn in impls.items():
+            rows.append(_measure(name, fn, n, h, v, floor_ms, ours_info if name == "ligermodels" else None))
+        default_budget = ce.FLCE_CHUNK_BUDGET_BYTES
+        for gib in args.budgets_gib:
+            ce.FLCE_CHUNK_BUDGET_BYTES = int(gib * GIB)
+            try:
+                plan = ce.flce_chunk_plan(n, h, v, torch.bfloat16)
+                info = {"chunk": plan.chunk_size, "n_chunks": plan.n_chunks,
+                        "predicted_extra_gb": round(plan.extra_bytes / 1e9, 3), "budget_gib": gib}
+                rows.append(_measure(f"ligermodels-{gib:g}GiB", impls["ligermodels"], n, h, v, floor_ms, info))
+            finally:
+                ce.FLCE_CHUNK_BUDGET_BYTES = default_budget
+
+    checks = {}
+    for v in args.vocab:
+        by = {r["impl"]: r for r in rows if r["V"] == v and "ms" in r}
+        ours = by.get("ligermodels")
+        if ours is None:
+            continue
+        baselines = [k for k in ("eager", "compile", "liger", "liger-fp32acc") if k in by]
+        checks[str(v)] = {
+            "ratio_to_floor_le_1.15": ours["ratio_to_floor"] <= 1.15,
+            "faster_than": {k: ours["ms"] < by[k]["ms"] for k in baselines},
+            "peak_le_liger": ({k: ours["peak_extra_gb"] <= by[k]["peak_extra_gb"]
+                               for k in ("liger", "liger-fp32acc") if k in by} or None),
+        }
+
+    print(f"{'impl':>22} {'V':>7} {'ms':>9} {'floor':>8} {'ratio':>6} {'peak+GB':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:>22} {r['V']:>7} ERROR {r['error']}")
+        else:
+            print(f"{r['impl']:>22} {r['V']:>7} {r['ms']:9.2f} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.3f} "
+                  f"{r['peak_extra_gb']:8.3f}")
+    for note in notes:
+        print("note:", note)
+    print("checks:", checks)
+    env = environment()
+    gpu = env["gpu"].replace(" ", "_")
+    path = write_results(f"flce-{gpu}-{env['date']}", {"tokens": n, "hidden": h, "dtype": "bfloat16",
+                                                       "matmul_tflops": round(rate, 1), "rows": rows,
+                                                       "checks": checks, "notes": notes}, args.out)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""The training loop (``python -m ligermodels.train``) end to end, on the CPU with gloo.
+
+The runs start from a tiny random Llama made with transformers (``save_pretrained``) and the demo's
+character tokenizer, train a few fp32 steps with the PyTorch reference kernels
+(``TRITON_INTERPRET=0`` in the children), and are shared by the tests below:
+
+* ``one``: 1 process, grad-accum 2, no activation checkpointing;
+* ``two``: 2 processes (torchrun), grad-accum 1, ``--ac full``, checkpoints at steps 2 and 4;
+* ``resumed``: a copy of ``two`` cut back to its step-2 checkpoint (plus a half-written step-6 one),
+  continued with ``--resume`` (and ``--ac selective``).
+
+In-process tests (packing, document masking, activation checkpointing) run the Triton kernels
+through the interpreter like the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ligermodels import LigerLlama, document_ids_from_positions
+from ligermodels.data import (
+    IGNORE_INDEX,
+    DataError,
+    Example,
+    PackedRows,
+    read_jsonl,
+    special_token_ids,
+    tokenize,
+)
+from ligermodels.demo_corpus import build_tokenizer, corpus, save_tokenizer
+from ligermodels.train import apply_activation_checkpointing, lr_factor, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
+TIMEOUT = 240
+
+
+def _train(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    return subprocess.run([*launcher, "-m", "ligermodels.train", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def _metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _weights(out) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(out, "final", "model.safetensors"))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(workdir) -> str:
+    """A tiny random transformers Llama with the demo's character tokenizer beside it."""
+    import transformers
+
+    tok = build_tokenizer()
+    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=64, bos_token_id=2, eos_token_id=3, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
+    path = str(workdir / "tiny-llama")
+    model.save_pretrained(path)
+    save_tokenizer(tok, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(workdir) -> str:
+    path = workdir / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in corpus(300, seed=1)))
+    return str(path)
+
+
+def _flags(checkpoint: str, data: str, out) -> list[str]:
+    return ["--model", checkpoint, "--data", data, "--out", str(out), "--seq-len", "32", "--batch-size", "2",
+            "--steps", "4", "--lr", "1e-2", "--warmup-steps", "1", "--dtype", "fp32", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def run_one(checkpoint, data, workdir):
+    out = workdir / "one"
+    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "2", "--save-every", "0"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_two(checkpoint, data, workdir):
+    out = workdir / "two"
+    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "2", "--ac", "full"], nproc=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_resumed(checkpoint, data, workdir, run_two):
+    out = workdir / "resumed"
+    shutil.copytree(run_two, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000004")
+    shutil.rmtree(out / "final")
+    # a crash in the middle of writing step 6 leaves this: --resume must not take it
+    (out / "checkpoints" / "step_00000006.tmp").mkdir()
+    (out / "checkpoints" / "step_00000006.tmp" / ".metadata").write_text("truncated")
+    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "2", "--ac", "selective",
+                  "--resume"], nproc=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stdout and "step_00000002" in res.stdout
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- torchrun runs
+def test_split_invariance_one_rank_accum2_equals_two_ranks(run_one, run_two):
+    """(1 rank, grad-accum 2) and (2 ranks, grad-accum 1): same global batches, losses, updates."""
+    one, two = _metrics(run_one), _metrics(run_two)
+    assert [m["step"] for m in one] == [m["step"] for m in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two, strict=True):
+        assert a["tokens"] == b["tokens"] > 0
+        assert a["lr"] == b["lr"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(b["grad_norm"]), (a, b)
+    assert one[-1]["loss"] < one[0]["loss"]
+    w1, w2 = _weights(run_one), _weights(run_two)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert _rel(w1[k], w2[k]) <= 1e-5, k
+
+
+def test_metrics_lines(run_two):
+    m = _metrics(run_two)[0]
+    assert set(m) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_mem_gb"}
+    assert m["mfu"] is None and m["tokens_per_s"] > 0 and m["peak_mem_gb"] > 0
+
+
+def test_resume_reproduces_the_uninterrupted_run(run_two, run_resumed):
+    two, resumed = _metrics(run_two), _metrics(run_resumed)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    for a, b in zip(two, resumed, strict=True):
+        assert (a["loss"], a["grad_norm"], a["lr"], a["tokens"]) == (b["loss"], b["grad_norm"], b["lr"], b["tokens"])
+    w1, w2 = _weights(run_two), _weights(run_resumed)
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]), k
+    # the run checkpointed step 4 itself; the stale .tmp was removed
+    assert sorted(os.listdir(run_resumed / "checkpoints")) == ["step_00000002", "step_00000004"]
+
+
+def test_checkpoint_layout(run_two):
+    ckpt = run_two / "checkpoints" / "step_00000002"
+    files = set(os.listdir(ckpt))
+    assert {".metadata", "train_state.json", "rng_rank00000.pt", "rng_rank00001.pt"} <= files
+    state = json.loads((ckpt / "train_state.json").read_text())
+    assert state["step"] == 2 and state["rows_consumed"] == 2 * 2 * 2 and state["scheduler"]["last_epoch"] == 2
+
+
+def test_hf_export_loads_in_transformers_with_equal_logits(run_two):
+    import transformers
+
+    final = str(run_two / "final")
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(final))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    ours = LigerLlama.from_hf(final, dtype=torch.float32)
+    ids = torch.randint(0, ours.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref, out = hf(ids).logits, ours(ids)
+    assert _rel(out, ref) <= 1e-5
+    tok = transformers.AutoTokenizer.from_pretrained(final)
+    assert tok("12+7=", add_special_tokens=False)["input_ids"] == build_tokenizer().encode("12+7=").ids
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _main_error(capsys, argv: list[str]) -> str:
+    """Run ``main`` in this process; it must exit with code 2 before training. Returns its stderr."""
+    from ligermodels.train import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_inputs_stop_before_training(capsys, tmp_path, checkpoint, data, run_two):
+    out = tmp_path / "out"
+    flags = _flags(checkpoint, data, out)
+
+    def with_(**changes):
+        f = list(flags)
+        for k, v in changes.items():
+            f[f.index("--" + k.replace("_", "-")) + 1] = v
+        return f
+
+    err = _main_error(capsys, with_(data=str(tmp_path / "missing.jsonl")))
+    assert "missing.jsonl" in err and "does not exist" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n\n{"text": "fine"}\n{"text": oops}\n')
+    err = _main_error(capsys, with_(data=str(bad)))
+    assert "line 4: not valid JSON" in err
+    bad.write_text('{"text": "ok"}\n{"prompt": "1+1="}\n')
+    err = _main_error(capsys, with_(data=str(bad)))
+    assert "line 2: expected" in err and "completion" in err
+    err = _main_error(capsys, with_(seq_len="100"))
+    assert "--seq-len 100 exceeds the model's max_position_embeddings (64)" in err
+    assert not out.exists() or not (out / "metrics.jsonl").exists()
+    err = _main_error(capsys, with_(out=str(run_two)))  # holds another run, no --resume
+    assert "already holds a run" in err and "--resume" in err
+    assert len(_metrics(run_two)) == 4  # untouched
+
+
+def test_bad_input_stops_every_rank_under_torchrun(tmp_path, checkpoint):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "fine"}\nnot json\n')
+    out = tmp_path / "out"
+    res = _train(_flags(checkpoint, str(bad), out), nproc=2)
+    assert res.returncode != 0
+    assert "line 3: not valid JSON" in res.stderr
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_config_file_stands_for_flags(tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"model": "m", "data": "d.jsonl", "out": "o", "seq-len": 16, "lr": 0.5,
+                               "ac": "selective"}))
+    args = parse_args(["--config", str(cfg), "--lr", "0.1"])
+    assert (args.model, args.seq_len, args.lr, args.ac, args.grad_accum) == ("m", 16, 0.1, "selective", 1)
+    cfg.write_text(json.dumps({"learning_rate": 1.0}))
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(cfg)])
+
+
+def test_lr_schedules():
+    f = lambda i, s: lr_factor(i, s, warmup=4, steps=104, min_ratio=0.1)  # noqa: E731
+    assert [f(i, "cosine") for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4, "cosine") == 1.0 and f(4, "linear") == 1.0
+    assert f(54, "cosine") == pytest.approx(0.55) and f(54, "linear") == pytest.approx(0.55)
+    assert f(103, "cosine") == pytest.approx(0.1, abs=1e-3) and f(103, "linear") == pytest.approx(0.109)
+    assert f(103, "constant") == 1.0
+
+
+def test_finetune_example_script(tmp_path, checkpoint, data):
+    out = tmp_path / "ft"
+    res = subprocess.run(["bash", os.path.join(ROOT, "examples", "finetune.sh"), checkpoint, data, str(out),
+                          "--seq-len", "32", "--batch-size", "2", "--grad-accum", "1", "--steps", "2",
+                          "--device", "cpu", "--dtype", "fp32"],
+                         cwd=ROOT, env={**ENV, "PYTHON": sys.executable, "NGPU": "1"}, capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert len(_metrics(out)) == 2 and (out / "final" / "config.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- the demo
+def test_demo_runs_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    res = _train(["--out", str(out), "--steps", "40", "--batch-size", "8", "--log-every", "10"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    losses = [m["loss"] for m in _metrics(out)]
+    assert len(losses) == 40 and losses[-1] < losses[0] - 1.0, losses
+    for text in ("step 40/40", "greedy completions", "additions answered right"):
+        assert text in res.stdout
+    final = set(os.listdir(out / "final"))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= final
+    assert (out / "demo" / "data.jsonl").exists() and (out / "checkpoints" / "step_00000040").exists()
+
+
+# ---------------------------------------------------------------------------------------------- in process
+def test_read_jsonl_errors_name_the_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "a"}\n["text"]\n')
+    with pytest.raises(DataError, match=r"line 2: expected"):
+        read_jsonl(str(p))
+    p.write_text("\n\n")
+    with pytest.raises(DataError, match="holds no examples"):
+        read_jsonl(str(p))
+
+
+def test_packing_labels_positions_and_determinism(checkpoint):
+    tok = build_tokenizer()
+    bos, eos = special_token_ids(tok, checkpoint)
+    assert (bos, eos) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
+    docs = tokenize([Example("", "abc"), Example("1+2=", "3"), Example("", "hello world.")], tok, bos, eos)
+    assert docs[1].ids == [bos, *tok.encode("1+2=").ids, tok.token_to_id("3"), eos] and docs[1].no_loss == 5
+
+    rows = PackedRows(docs, seq_len=7, seed=3)
+    n = rows.epoch_len
+    assert n == sum(len(d.ids) for d in docs) == 26
+    ids, labels, pos = rows.rows(0, 12)  # 84 tokens: more than three epochs
+    flat_ids, flat_labels, flat_pos = ids.flatten(), labels.flatten(), pos.flatten()
+    starts = (pos == 0)
+    assert starts[:, 0].all() and (labels[starts] == IGNORE_INDEX).all()
+    assert (flat_labels[flat_ids == bos] == IGNORE_INDEX).all()
+    assert ((flat_labels == flat_ids) | (flat_labels == IGNORE_INDEX)).all()
+    for e in range(3):  # every epoch holds every token once, in its own order
+        assert sorted(flat_ids[n * e:n * (e + 1)].tolist()) == sorted(t for d in docs for t in d.ids)
+    # the prompt "1+2=" carries no loss; its completion and EOS do
+    prompt_at = [i for i in range(len(flat_ids) - 6) if flat_ids[i:i + 7].tolist() == docs[1].ids and flat_pos[i] == 0]
+    assert prompt_at, "doc 1 never sits whole in a row"
+    i = prompt_at[0]
+    assert flat_labels[i:i + 5].eq(IGNORE_INDEX).all() and (flat_labels[i + 5:i + 7] == flat_ids[i + 5:i + 7]).all()
+    # rows depend only on their index and the seed
+    a = rows.rows(0, 5)
+    b = [torch.cat(t) for t in zip(PackedRows(docs, 7, 3).rows(0, 2), PackedRows(docs, 7, 3).rows(2, 3), strict=True)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not torch.equal(PackedRows(docs, 7, 4).rows(0, 5)[0], a[0])
+
+
+def test_document_masking_packed_equals_alone(checkpoint):
+    """A document packed next to another gets the logits and loss it gets alone."""
+    model = LigerLlama.from_hf(checkpoint, dtype=torch.float32)
+    tok = build_tokenizer()
+    bos, eos = special_token_ids(tok, checkpoint)
+    docs = tokenize([Example("", "alice has 3 red apples."), Example("12+7=", "19")], tok, bos, eos)
+    ids, labels, pos = PackedRows(docs, sum(len(d.ids) for d in docs), seed=0).rows(0, 1)
+    doc_ids = document_ids_from_positions(pos)
+    cuts = [*(pos[0] == 0).nonzero().flatten().tolist(), ids.shape[1]]
+    assert len(cuts) == 3  # two documents in the row
+    with torch.no_grad():
+        packed = model(ids, pos, doc_ids)
+        unmasked = model(ids, pos)
+        packed_loss = model.loss(ids, labels, num_items=1, position_ids=pos, document_ids=doc_ids)
+        alone_loss = 0.0
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            alone = model(ids[:, a:b])
+            assert _rel(packed[:, a:b], alone) <= 1e-5
+            alone_loss += model.loss(ids[:, a:b], labels[:, a:b], num_items=1)
+        assert _rel(unmasked[:, cuts[1]:], packed[:, cuts[1]:]) > 1e-3  # without the mask the 2nd doc differs
+    assert abs(packed_loss.item() - float(alone_loss)) <= 1e-5 * abs(float(alone_loss))
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_gradients(checkpoint, mode):
+    torch.manual_seed(0)
+    ids = torch.randint(4, 40, (2, 24))
+    pos = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, 24)
+    docs = document_ids_from_positions(pos)
+
+    def grads(ac: str) -> dict[str, torch.Tensor]:
+        model = LigerLlama.from_hf(checkpoint, dtype=torch.float32).train()
+        apply_activation_checkpointing(model, ac)
+        model.loss(ids, ids, position_ids=pos, document_ids=docs).backward()
+        return {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+
+    ref, got = grads("none"), grads(mode)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert _rel(got[k], ref[k]) <= 1e-6, k
