@@ -63,7 +63,7 @@ def kernels_table(d: dict) -> str:
 
 
 def flce_table(d: dict) -> str:
-    lines = [f"Fused linear cross-entropy, N={d.get('N')} tokens, H={d.get('H')}, bf16, forward+backward, on {_env(d)}. "
+    lines = [f"Fused linear cross-entropy, N={d.get('N')} tokens, H={d.get('H')}, bf16, fwd+bwd, on {_env(d)}. "
              f"Matmul rate measured in the same run: {d.get('matmul_tflops', float('nan')):.0f} TFLOP/s; the floor is "
              "the three GEMMs (6·N·H·V flops) at that rate.", "",
              "| V | impl | ms | x floor | peak extra memory (GB) |", "|---|---|---|---|---|"]

@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import torch
-import transformers
 
 from checkpoints_tools.hub import CheckpointError
 from ligermodels import AutoLigerModel, DecoderConfig, LigerLlama, load_tokenizer, sample_next
@@ -68,15 +67,8 @@ def test_greedy_matches_transformers(case, tmp_path):
 
 
 def _hf_model(cls_name: str, kwargs: dict, directory: str, seed: int = 0):
-    """Like make_hf_checkpoint, for configs that are not among the model tests' cases."""
-    config = getattr(transformers, cls_name)(**kwargs)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(directory)
-    return model.eval()
+    """make_hf_checkpoint for configs that are not among the model tests' cases."""
+    return make_hf_checkpoint((cls_name, kwargs), directory, seed=seed)
 
 
 @pytest.mark.parametrize("rope", [

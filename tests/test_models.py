@@ -52,9 +52,12 @@ CASES = {
 }
 
 
-def make_hf_checkpoint(case: str, directory: str, shard: bool = False, seed: int = 0):
-    """A tiny random transformers model saved as safetensors; returns the fp32 HF model."""
-    cls_name, kwargs = CASES[case]
+def make_hf_checkpoint(case: str | tuple[str, dict], directory: str, shard: bool = False, seed: int = 0):
+    """A tiny random transformers model saved as safetensors; returns the fp32 HF model.
+
+    ``case`` names one of CASES, or gives (HF config class name, config kwargs) directly.
+    """
+    cls_name, kwargs = CASES[case] if isinstance(case, str) else case
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
