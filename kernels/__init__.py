@@ -7,15 +7,15 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
 
 - :mod:`kernels.rms_norm`: ``rms_norm``, ``fused_add_rms_norm``
 - :mod:`kernels.rope`: ``apply_rope``
-- :mod:`kernels.glu`: ``swiglu``, ``geglu``
+- :mod:`kernels.glu`: ``swiglu``, ``geglu``, ``glu_linear`` (GLU + down projection, activation recomputed)
 - :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
 """
 
 from kernels._common import INTERPRET, use_triton
 from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
-from kernels.glu import geglu, swiglu
+from kernels.glu import geglu, glu_linear, swiglu
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import apply_rope
 
-__all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "apply_rope", "swiglu", "geglu",
+__all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "apply_rope", "swiglu", "geglu", "glu_linear",
            "cross_entropy", "fused_linear_cross_entropy"]

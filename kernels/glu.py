@@ -11,6 +11,12 @@ kernel straight into one (..., 2*I) buffer: no split, no concatenation.
 
 Bytes moved (the fewest the op must move), for M rows of I elements of s bytes:
 forward 3*M*I*s (read gate, up; write out), backward 5*M*I*s (read dout, gate, up; write dgate, dup).
+
+``glu_linear`` fuses the GLU with the down projection that follows it in an MLP, for memory: the
+(M, I) activation h = glu(gate, up) is an input of the down projection, which autograd would keep
+for the weight gradient until the backward pass. ``glu_linear`` keeps only the packed gate+up and
+has the backward kernel write h again while it computes the gate/up gradients (one extra write of
+M*I*s bytes), saving M*I*s bytes of activation memory per MLP.
 """
 
 from __future__ import annotations
@@ -61,8 +67,8 @@ def _glu_fwd_kernel(g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols,
 
 
 @triton.jit
-def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, stride_do, stride_g, stride_u, stride_dg,
-                    stride_du, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, stride_do, stride_g, stride_u, stride_dg,
+                    stride_du, stride_h, n_cols, ACT: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -72,6 +78,8 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, stride_do, stride_g, s
     a, da = _activation(g, ACT)
     tl.store(dg_ptr + row * stride_dg + cols, (do * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + row * stride_du + cols, (do * a).to(du_ptr.dtype.element_ty), mask=mask)
+    if STORE_H:  # glu_linear: the forward output again, for the down projection's weight gradient
+        tl.store(h_ptr + row * stride_h + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -91,9 +99,8 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
     return out
 
 
-@triton_op(f"{LIB}::glu_bwd", mutates_args={})
-def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, packed: bool) -> torch.Tensor:
-    """Gradients of gate and up: one (rows, 2*I) buffer when ``packed``, else a (2, rows, I) buffer."""
+def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, packed: bool,
+                h: torch.Tensor | None) -> torch.Tensor:
     d2, g2, u2 = as_rows(dout), as_rows(gate), as_rows(up)
     rows, cols = g2.shape
     if packed:
@@ -102,11 +109,26 @@ def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
     else:
         buf = torch.empty(2, rows, cols, dtype=gate.dtype, device=gate.device)
         dg, du = buf[0], buf[1]
+    h2 = dg if h is None else h.view(rows, cols)
     if rows * cols > 0:
         wrap_triton(_glu_bwd_kernel)[_grid(rows, cols)](
-            d2, g2, u2, dg, du, d2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0), cols,
-            ACT=act, BLOCK=_BLOCK, num_warps=4)
+            d2, g2, u2, dg, du, h2, d2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0),
+            h2.stride(0), cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=4)
     return buf
+
+
+@triton_op(f"{LIB}::glu_bwd", mutates_args={})
+def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, packed: bool) -> torch.Tensor:
+    """Gradients of gate and up: one (rows, 2*I) buffer when ``packed``, else a (2, rows, I) buffer."""
+    return _launch_bwd(dout, gate, up, act, packed, None)
+
+
+@triton_op(f"{LIB}::glu_bwd_recompute", mutates_args={})
+def _glu_bwd_recompute(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed (rows, 2*I) gate/up gradient, the forward output glu(gate, up) recomputed (..., I))."""
+    h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    return _launch_bwd(dout, gate, up, act, True, h), h
 
 
 class GLUFunction(torch.autograd.Function):
@@ -127,6 +149,28 @@ class GLUFunction(torch.autograd.Function):
         if ctx.packed:
             return buf.view(*gate.shape[:-1], 2 * gate.shape[-1]), None, None
         return buf[0].view(gate.shape), buf[1].view(up.shape), None
+
+
+class GLULinearFunction(torch.autograd.Function):
+    """Autograd wrapper of ``glu_linear``: saves the packed gate+up and the weight, not the activation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
+        gate, up = _split(x)
+        ctx.save_for_backward(x, weight)
+        ctx.act, ctx.has_bias = act, bias is not None
+        return F.linear(_glu_fwd(gate, up, act), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        gate, up = _split(x)
+        d2 = dout.reshape(-1, dout.shape[-1])
+        dh = d2 @ weight  # (M, I)
+        dx, h = _glu_bwd_recompute(dh, gate, up, ctx.act)
+        dw = d2.t() @ h.view(-1, h.shape[-1])
+        db = d2.sum(0) if ctx.has_bias else None
+        return dx.view(x.shape), dw, db, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -156,6 +200,30 @@ def _glu(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
     if not use_triton(gate):
         return glu_reference(gate, up, act)
     return GLUFunction.apply(gate, up, act)
+
+
+def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               activation: str = "silu") -> torch.Tensor:
+    """``F.linear(glu(x), weight, bias)``: the GLU of a packed gate+up tensor followed by the down projection.
+
+    The same numbers as :func:`swiglu` / :func:`geglu` then ``F.linear``, with less memory: the
+    (..., I) activation is not kept for backward but written again by the backward kernel.
+
+    Args:
+        x: packed (..., 2*I) gate+up (gate first).
+        weight: (H, I) down-projection weight; bias: (H,) or None.
+        activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU, tanh or erf).
+    Returns:
+        (..., H) in the input dtype.
+    """
+    act = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}.get(activation)
+    if act is None:
+        raise ValueError(f"glu_linear: activation must be 'silu', 'gelu_tanh' or 'gelu', got {activation!r}")
+    if weight.shape[-1] * 2 != x.shape[-1]:
+        raise ValueError(f"glu_linear: x's last dim {x.shape[-1]} must be twice weight's {weight.shape[-1]}")
+    if not use_triton(x):
+        return F.linear(glu_reference(x, None, act), weight, bias)
+    return GLULinearFunction.apply(x, weight, bias, act)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

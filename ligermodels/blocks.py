@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels import apply_rope, fused_add_rms_norm, geglu, rms_norm, swiglu
+from kernels import apply_rope, fused_add_rms_norm, glu_linear, rms_norm
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.rope import RopeConfig, inv_freq, rope_cos_sin
@@ -110,7 +110,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated MLP: one fused gate+up projection (H -> 2*I), SwiGLU or GeGLU, down projection (I -> H)."""
+    """Gated MLP: one fused gate+up projection (H -> 2*I), SwiGLU or GeGLU, down projection (I -> H).
+
+    The GLU and the down projection run as one :func:`kernels.glu_linear`, which does not keep the
+    (B, S, I) activation for backward (the backward kernel writes it again).
+    """
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -120,12 +124,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up(x)
-        if self.activation == "silu":
-            h = swiglu(gu)
-        else:
-            h = geglu(gu, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.down(h)
+        return glu_linear(self.gate_up(x), self.down.weight, self.down.bias, self.activation)
 
 
 class DecoderLayer(nn.Module):

@@ -6,7 +6,16 @@ CUDA only: the Triton interpreter cannot run on the fake tensors torch.compile t
 import pytest
 import torch
 
-from kernels import apply_rope, cross_entropy, fused_add_rms_norm, fused_linear_cross_entropy, geglu, rms_norm, swiglu
+from kernels import (
+    apply_rope,
+    cross_entropy,
+    fused_add_rms_norm,
+    fused_linear_cross_entropy,
+    geglu,
+    glu_linear,
+    rms_norm,
+    swiglu,
+)
 from tests.utils import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of Triton ops needs CUDA")
@@ -26,6 +35,7 @@ CASES = {
                                                                        torch.randn(37, 96, device="cuda")]),
     "swiglu": (lambda x: swiglu(x) + 1, lambda: [_r(5, 2 * 1000)]),
     "geglu": (lambda g, u: geglu(g, u), lambda: [_r(5, 777), _r(5, 777)]),
+    "glu_linear": (lambda x, w: glu_linear(x, w, None, "gelu_tanh"), lambda: [_r(5, 2 * 777), _r(96, 777)]),
     "cross_entropy": (lambda z, t: cross_entropy(z, t, label_smoothing=0.1),
                       lambda: [_r(37, 1000), torch.randint(0, 1000, (37,), device="cuda")]),
     "fused_linear_cross_entropy": (lambda h, w, t: fused_linear_cross_entropy(h, w, t, lse_square_scale=1e-4),

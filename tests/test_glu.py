@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import geglu, swiglu
+from kernels import geglu, glu_linear, swiglu
 from tests.utils import DEVICE, assert_rel, assert_triton_runs, assert_unchanged, randn, rel_err, snapshot
 
 SHAPES = [(3, 5, 777), (2, 3, 4, 1000), (7, 96)]
@@ -74,3 +74,56 @@ def test_glu_rejects_mismatched_shapes_and_bad_modes():
         swiglu(torch.zeros(2, 5, device=DEVICE))
     with pytest.raises(ValueError, match="approximate"):
         geglu(torch.zeros(2, 4, device=DEVICE), approximate="erf")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_linear_matches_float64_and_the_unfused_ops(activation, bias, dtype):
+    """glu_linear = F.linear(glu(x), W, b): forward and the gradients of x, W and b, with the activation
+    recomputed in backward instead of saved."""
+    acts = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
+    x = randn(3, 5, 2 * 389, dtype=dtype, scale=2.0).requires_grad_()
+    w = randn(77, 389, dtype=dtype, scale=0.05).requires_grad_()
+    b = randn(77, dtype=dtype).requires_grad_() if bias else None
+    dout = randn(3, 5, 77, dtype=dtype)
+    assert_triton_runs(x)
+    before = snapshot(x, w, dout)
+    out = glu_linear(x, w, b, activation)
+    out.backward(dout)
+    assert_unchanged(before, x, w, dout)
+
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_() if bias else None
+    g, u = x64.chunk(2, dim=-1)
+    ref = F.linear(acts[activation](g) * u, w64, b64)
+    ref.backward(dout.double())
+    errs = [assert_rel(out, ref, dtype, "out"), assert_rel(x.grad, x64.grad, dtype, "dx"),
+            assert_rel(w.grad, w64.grad, dtype, "dweight")]
+    if bias:
+        errs.append(assert_rel(b.grad, b64.grad, dtype, "dbias"))
+
+    if dtype == torch.bfloat16:  # no worse than the unfused ops (glu kernel, then F.linear) in bf16
+        xs, ws = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        bs = b.detach().clone().requires_grad_() if bias else None
+        h = swiglu(xs) if activation == "silu" else geglu(xs, approximate="tanh" if activation == "gelu_tanh"
+                                                            else "none")
+        F.linear(h, ws, bs).backward(dout)
+        unfused = [rel_err(F.linear(h, ws, bs), ref), rel_err(xs.grad, x64.grad), rel_err(ws.grad, w64.grad)]
+        if bias:
+            unfused.append(rel_err(bs.grad, b64.grad))
+        for ours, theirs, what in zip(errs, unfused, ["out", "dx", "dweight", "dbias"][:len(errs)], strict=True):
+            assert ours <= 1.05 * theirs + 1e-6, f"{what}: {ours:.2e} worse than unfused {theirs:.2e}"
+
+
+def test_glu_linear_keeps_only_the_packed_input_for_backward():
+    """The saved tensors are x and the weight: no (..., I) activation stays alive until backward."""
+    x = randn(4, 2 * 64).requires_grad_()
+    w = randn(8, 64).requires_grad_()
+    out = glu_linear(x, w)
+    saved = [t for t in (out.grad_fn.saved_tensors if hasattr(out.grad_fn, "saved_tensors") else [])]
+    assert {tuple(t.shape) for t in saved} == {(4, 128), (8, 64)}
+    with pytest.raises(ValueError, match="twice"):
+        glu_linear(x, randn(8, 63))
+    with pytest.raises(ValueError, match="activation"):
+        glu_linear(x, w, activation="relu")

@@ -1,0 +1,343 @@
+"""End-to-end training-step benchmark: ligermodels against transformers eager, transformers + Liger-Kernel
+and transformers under ``torch.compile``, on the same model shape and GPU (issue 6).
+
+One step = forward + backward + fused AdamW step, bf16 parameters (and bf16 optimiser state: the same
+for every implementation), random init from the public config's shapes, random tokens, labels = input ids
+(the models shift them). Each (impl, model, batch) runs in its own process, so one implementation's
+allocator state, compiled graphs or patched modules never reach another. Times are the median of
+``--steps`` CUDA-event timed steps after ``--warmup`` steps; peak memory is ``max_memory_allocated``
+over the whole run (weights, gradients, optimiser state and activations).
+
+    python -m benchmarks.bench_e2e --runs llama-1b:8 qwen2-1.5b:4 --impls ligermodels hf hf+liger hf+compile
+    python -m benchmarks.bench_e2e --runs llama-1b:8 --impls ligermodels --profile   # + op-category budget
+    python -m benchmarks.bench_e2e --runs llama-1b --impls ligermodels hf+liger --max-batch
+
+Writes (and merges into) ``e2e-<gpu>-<date>.json``: rows ``{"impl", "variant", "model", "batch", "seq",
+"tokens_per_s", "peak_mem_gb", "mfu", "step_ms", "matmul_floor_ms"}``; an out-of-memory run has
+``"oom": true``. MFU = (6 x matmul parameters x tokens + attention flops) / step time / 989 TFLOP/s
+(H100/H200 dense bf16 peak), attention flops = 3 (fwd + bwd) x 4 B S^2 Hq D x L / 2 (causal half).
+``matmul_floor_ms`` is the same flops at the bf16 matmul rate measured in the same process. Memory in
+GB = 1e9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from benchmarks.harness import RESULTS, environment
+
+PEAK_BF16_TFLOPS = 989.0
+LIGER_PATCH = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
+               "gemma": "apply_liger_kernel_to_gemma", "mistral": "apply_liger_kernel_to_mistral"}
+
+# Public config.json shapes (no network on the GPU machine); transformers 5 field names.
+MODELS: dict[str, dict] = {
+    "llama-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True, hidden_act="silu",
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
+    "qwen2-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                       num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+                       use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "gemma-2b": dict(model_type="gemma", vocab_size=256000, hidden_size=2048, intermediate_size=16384,
+                     num_hidden_layers=18, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+                     max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                     hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen2-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
+                     use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+# ------------------------------------------------------------------------------------------ flops
+def step_flops(model: str, batch: int, seq: int) -> float:
+    """Flops of one training step: 6 x matmul parameters x tokens + causal attention (fwd + bwd)."""
+    d = MODELS[model]
+    h, layers, v = d["hidden_size"], d["num_hidden_layers"], d["vocab_size"]
+    hq, hkv = d["num_attention_heads"], d["num_key_value_heads"]
+    hd = d.get("head_dim", h // hq)
+    per_layer = h * (hq + 2 * hkv) * hd + hq * hd * h + 3 * h * d["intermediate_size"]
+    matmul_params = layers * per_layer + v * h  # the output head is a matmul, tied or not
+    tokens = batch * seq
+    attention = 3 * 4 * batch * seq * seq * hq * hd * layers / 2
+    return 6 * matmul_params * tokens + attention
+
+
+# ------------------------------------------------------------------------------------ one worker
+def base_row(impl: str, model: str, batch: int, seq: int, ac: bool) -> dict:
+    """The identifying fields of a result row. ``ligermodels+compile`` is impl "ligermodels", variant "compile"
+    (our model under ``torch.compile``); the transformers impls keep the issue's names."""
+    variant = "compile" if impl.endswith("+compile") else "eager"
+    name = "ligermodels" if impl.startswith("ligermodels") else impl
+    return {"impl": name, "variant": variant, "model": model, "batch": batch, "seq": seq,
+            "activation_checkpointing": ac}
+
+
+def build(impl: str, model: str, activation_checkpointing: bool):
+    """(step-loss callable (ids, labels) -> loss, parameters) for one implementation, on the GPU in bf16."""
+    d = dict(MODELS[model])
+    model_type = d["model_type"]
+    if impl.startswith("ligermodels"):
+        from ligermodels.families import config_from_hf, family_of
+
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            m = family_of(model_type).cls(config_from_hf(d)).to(torch.bfloat16).init_weights()
+        if activation_checkpointing:
+            from ligermodels.train import apply_activation_checkpointing
+
+            apply_activation_checkpointing(m, "full")
+        m.train()
+        fn = m.loss
+        if impl == "ligermodels+compile":
+            fn = torch.compile(m.loss)
+        return fn, list(m.parameters())
+
+    import transformers
+
+    if impl == "hf+liger":
+        import liger_kernel.transformers as lk
+
+        getattr(lk, LIGER_PATCH[model_type])()
+    config = transformers.AutoConfig.for_model(**d)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if activation_checkpointing:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.config.use_cache = False
+    m.train()
+    run = torch.compile(m) if impl == "hf+compile" else m
+
+    def fn(ids, labels):
+        return run(input_ids=ids, labels=labels).loss
+
+    return fn, list(m.parameters())
+
+
+def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int, ac: bool, profile: str | None
+            ) -> dict:
+    """Time ``steps`` training steps of one implementation; returns the result row."""
+    from benchmarks.harness import matmul_tflops
+
+    row = base_row(impl, model, batch, seq, ac)
+    tflops = matmul_tflops()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fn, params = build(impl, model, ac)
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    vocab = MODELS[model]["vocab_size"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=g)
+
+    def step():
+        loss = fn(ids, ids)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    times, losses = [], []
+    for i in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+        losses.append(float(loss))
+    ms = statistics.median(times)
+    flops = step_flops(model, batch, seq)
+    row.update(tokens_per_s=round(batch * seq / ms * 1e3, 1), step_ms=round(ms, 2),
+               peak_mem_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2),
+               mfu=round(flops / (ms * 1e-3) / (PEAK_BF16_TFLOPS * 1e12), 4),
+               matmul_floor_ms=round(flops / (tflops * 1e12) * 1e3, 2), matmul_tflops=round(tflops, 1),
+               first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4))
+    if profile:
+        with open(profile, "w") as f:
+            f.write(profile_budget(step, row))
+    return row
+
+
+# Kernel-name patterns -> category, first match wins.
+CATEGORIES = [
+    ("attention (flash/cuDNN/flex)", r"flash|fmha|attention|attn|cudnn"),
+    ("matmul (cuBLAS/CUTLASS)", r"gemm|matmul|cutlass|nvjet|xmma|sm90|cublas|splitk"),
+    ("ligermodels kernels: rms_norm", r"rms"),
+    ("ligermodels kernels: rope", r"rope"),
+    ("ligermodels kernels: glu", r"glu"),
+    ("ligermodels kernels: cross-entropy", r"_ce_|cross_entropy|lse|flce"),
+    ("optimizer (fused AdamW)", r"adam|multi_tensor"),
+    ("embedding", r"embedding|index_select|indexing_backward|index_put|scatter"),
+    ("copies and casts", r"copy|cast|cat|fill|zero"),
+]
+
+
+def profile_budget(step, row: dict) -> str:
+    """Profile two steps; GPU time per op category, against the step's matmul floor (text table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    per_cat: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t <= 0 or e.key.startswith("ProfilerStep") or e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        t = t / 2 / 1e3  # ms per step
+        cat = next((c for c, pat in CATEGORIES if re.search(pat, e.key, re.I)), "other elementwise/reductions")
+        per_cat[cat] = per_cat.get(cat, 0.0) + t
+        kernels[e.key] = kernels.get(e.key, 0.0) + t
+    busy = sum(per_cat.values())
+    lines = [f"# Step-time budget: {row['impl']} ({row['variant']}), {row['model']}, batch {row['batch']} x "
+             f"{row['seq']}, {torch.cuda.get_device_name()}",
+             f"step (CUDA events, median) {row['step_ms']:.1f} ms; GPU busy (profiler, 2 steps / 2) {busy:.1f} ms; "
+             f"matmul floor {row['matmul_floor_ms']:.1f} ms (all step flops at the measured "
+             f"{row['matmul_tflops']:.0f} TFLOP/s)", "",
+             f"{'category':40s} {'ms/step':>9s} {'% step':>7s}"]
+    for cat, t in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{cat:40s} {t:9.2f} {100 * t / row['step_ms']:6.1f}%")
+    lines.append(f"{'idle / launch gaps (step - GPU busy)':40s} {row['step_ms'] - busy:9.2f} "
+                 f"{100 * (row['step_ms'] - busy) / row['step_ms']:6.1f}%")
+    lines += ["", "Top 25 kernels (ms/step):"]
+    for k, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
+        lines.append(f"{t:9.2f}  {k[:110]}")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------- driver
+def run_worker(impl: str, model: str, batch: int, args, profile: str | None = None) -> dict:
+    """One measurement in a fresh process; an out-of-memory run becomes ``{"oom": true}``."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--worker", impl, model, str(batch), "--seq", str(args.seq),
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.ac:
+        cmd.append("--ac")
+    if profile:
+        cmd += ["--profile-to", profile]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("{")), None)
+    if line:
+        row = json.loads(line)
+    else:
+        tail = (p.stderr or p.stdout)[-600:]
+        row = base_row(impl, model, batch, args.seq, args.ac)
+        if "OutOfMemoryError" in tail or "out of memory" in tail:
+            row["oom"] = True
+        else:
+            row["error"] = tail.strip().splitlines()[-1] if tail.strip() else f"exit {p.returncode}"
+            print(tail, file=sys.stderr)
+    row["wall_s"] = round(time.time() - t0, 1)
+    return row
+
+
+def max_batch(impl: str, model: str, args, start: int) -> int:
+    """Largest batch (of 1, 2, ...) that runs two steps without running out of memory: doubling then bisection."""
+    fits, lo = 0, start
+
+    def ok(b):
+        r = run_worker(impl, model, b, argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 1}))
+        print(f"  max-batch {impl} {model} batch {b}: {'oom' if r.get('oom') else r.get('error', 'fits')}",
+              flush=True)
+        return "tokens_per_s" in r
+
+    while ok(lo):
+        fits, lo = lo, lo * 2
+    hi = lo
+    lo = fits
+    while hi - lo > max(1, lo // 8):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def merge(path: str, rows: list[dict], extra: dict) -> None:
+    """Merge rows into the results file, replacing rows with the same (impl, variant, model, batch, ac)."""
+    data = {**environment(), "rows": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        data.update(environment())
+
+    def key(r):
+        return (r["impl"], r.get("variant"), r["model"], r["batch"], r.get("activation_checkpointing", False),
+                r.get("max_batch", False))
+
+    new = {key(r) for r in rows}
+    data["rows"] = [r for r in data["rows"] if key(r) not in new] + rows
+    data.update(extra)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", nargs="*", default=["llama-1b:8"], help="MODEL:BATCH (MODEL alone with --max-batch)")
+    ap.add_argument("--impls", nargs="*", default=["ligermodels", "ligermodels+compile", "hf", "hf+liger",
+                                                   "hf+compile"])
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ac", action="store_true", help="full activation checkpointing (every implementation)")
+    ap.add_argument("--profile", action="store_true", help="profile ligermodels' step: op-category budget text")
+    ap.add_argument("--max-batch", action="store_true", help="find the largest batch each impl fits")
+    ap.add_argument("--timeout", type=int, default=400)
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--worker", nargs=3, metavar=("IMPL", "MODEL", "BATCH"), help=argparse.SUPPRESS)
+    ap.add_argument("--profile-to", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        impl, model, batch = args.worker
+        row = measure(impl, model, int(batch), args.seq, args.steps, args.warmup, args.ac, args.profile_to)
+        print(json.dumps(row), flush=True)
+        return
+
+    env = environment()
+    path = os.path.join(args.out, f"e2e-{env['gpu'].replace(' ', '_')}-{env['date']}.json")
+    os.makedirs(args.out, exist_ok=True)
+    for run in args.runs:
+        model, _, batch = run.partition(":")
+        for impl in args.impls:
+            if args.max_batch:
+                b = max_batch(impl, model, args, int(batch or 4))
+                row = {**base_row(impl, model, b, args.seq, args.ac), "max_batch": True}
+            else:
+                prof = None
+                if args.profile and impl.startswith("ligermodels"):
+                    prof = os.path.join(args.out, f"e2e-profile-{impl.replace('+', '-')}-{model}-b{batch}.txt")
+                row = run_worker(impl, model, int(batch), args, prof)
+            print(json.dumps(row), flush=True)
+            merge(path, [row], {})
+            gc.collect()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
