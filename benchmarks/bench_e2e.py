@@ -276,6 +276,18 @@ def max_batch(impl: str, model: str, args, start: int) -> int:
     return lo
 
 
+def summary(r: dict) -> str:
+    """One printed line per result row."""
+    head = f"{r['model']:>11} b{r['batch']:<3} {r['impl']:>11} {r['variant']:>7}"
+    if r.get("max_batch"):
+        return f"{head}  max batch {r['batch']}"
+    if "tokens_per_s" not in r:
+        return f"{head}  {'OOM' if r.get('oom') else 'ERROR ' + r.get('error', '')}"
+    return (f"{head}  {r['tokens_per_s']:9.0f} tok/s  {r['step_ms']:7.1f} ms (floor {r['matmul_floor_ms']:.1f})  "
+            f"MFU {100 * r['mfu']:4.1f}%  peak {r['peak_mem_gb']:5.1f} GB  loss {r['first_loss']}->{r['last_loss']}  "
+            f"[{r['wall_s']} s]")
+
+
 def merge(path: str, rows: list[dict], extra: dict) -> None:
     """Merge rows into the results file, replacing rows with the same (impl, variant, model, batch, ac)."""
     data = {**environment(), "rows": []}
@@ -333,7 +345,7 @@ def main() -> None:
                 if args.profile and impl.startswith("ligermodels"):
                     prof = os.path.join(args.out, f"e2e-profile-{impl.replace('+', '-')}-{model}-b{batch}.txt")
                 row = run_worker(impl, model, int(batch), args, prof)
-            print(json.dumps(row), flush=True)
+            print(summary(row), flush=True)
             merge(path, [row], {})
             gc.collect()
     print(f"wrote {path}")

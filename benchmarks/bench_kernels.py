@@ -1,6 +1,6 @@
 """Kernel benchmark: every op forward and backward against eager PyTorch and torch.compile.
 
-Run on a GPU:  python -m benchmarks.bench_kernels [--out DIR]
+Run on a GPU:  python -m benchmarks.bench_kernels [--out DIR] [--only rms_norm rope] [--merge-from OLD.json]
 Writes ``kernels-<gpu>-<date>.json`` with the measured copy bandwidth and one row per
 (op, shape, impl, pass): time, bytes counted, GB/s and the fraction of copy bandwidth.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 
 import torch
 
@@ -21,6 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--only", nargs="*", default=FAMILIES, help="families to run")
+    ap.add_argument("--merge-from", help="an earlier results file: its rows for ops not rerun are kept "
+                                         "(marked with their own date and copy bandwidth)")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
@@ -40,6 +43,12 @@ def main() -> None:
             else:
                 print(f"{r['op']:>22} {r['shape']:>16} {r['impl']:>12} {r['pass']} {r['ms']:8.3f} ms "
                       f"{r['gbs']:7.0f} GB/s {100 * r['frac_copy_bw']:5.1f}%")
+    if args.merge_from:
+        with open(args.merge_from) as f:
+            old = json.load(f)
+        rerun = {r["op"] for r in rows}
+        rows += [{**r, "from_run": old["date"], "run_copy_gbs": old["copy_gbs"]}
+                 for r in old["rows"] if r["op"] not in rerun]
     gpu = environment()["gpu"].replace(" ", "_")
     path = write_results(f"kernels-{gpu}-{environment()['date']}", {"copy_gbs": copy_gbs, "rows": rows}, args.out)
     print("wrote", path)

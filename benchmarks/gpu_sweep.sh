@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# One device call: GPU test-suite, then kernel and loss benchmarks; logs and JSON go to $OUT.
-# Usage on the GPU machine (repo root):  bash benchmarks/gpu_sweep.sh [tests|kernels|flce|all]...
+# One device call: GPU test-suite, then kernel, loss, decode and end-to-end benchmarks.
+# Usage on the GPU machine (repo root):  bash benchmarks/gpu_sweep.sh [tests|kernels|flce|decode|e2e|all]...
+# Everything (logs, results JSON, profiles) is written to /tmp/sweep and packed into $OUT/sweep.tgz at the
+# end (the device tool returns at most 8 files). Each step has its own time limit (seconds), so the pack
+# still happens when one step hangs:
+#   T_TESTS T_KERNELS T_FLCE T_DECODE T_E2E
+# KERNELS="rms_norm rope" limits the kernel families (rows of the others are kept from the committed JSON).
+# E2E="llama-1b:8 qwen2-1.5b:4" and E2E_IMPLS="ligermodels hf hf+liger ..." choose the end-to-end runs;
+# E2E_ARGS adds flags (e.g. "--profile", "--max-batch", "--ac").
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+RES=/tmp/sweep
+mkdir -p "$RES"
 OUT=${OUT:-benchmarks/results}
 if ls .whl/*.whl >/dev/null 2>&1; then  # benchmark-only baselines (liger-kernel), never a dependency
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -10,10 +19,21 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 for what in "${@:-all}"; do
+  echo "=== $what ($(date +%T))"
   case $what in
-    tests|all) python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 40 ;;&
-    kernels|all) python3 -m benchmarks.bench_kernels --out "$OUT" 2>&1 | tee "$OUT/bench_kernels.log" ;;&
-    flce|all) python3 -m benchmarks.bench_flce --out "$OUT" 2>&1 | tee "$OUT/bench_flce.log" ;;&
+    tests|all) timeout "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider -rs tests 2>&1 \
+                 | tee "$RES/gpu_tests.log" | tail -n 30 ;;&
+    kernels|all)
+      old=$(ls -t benchmarks/results/kernels-*.json 2>/dev/null | head -n 1)
+      timeout "${T_KERNELS:-300}" python3 -m benchmarks.bench_kernels --out "$RES" \
+        ${KERNELS:+--only $KERNELS ${old:+--merge-from $old}} 2>&1 | tee "$RES/bench_kernels.log" | tail -n 60 ;;&
+    flce|all) timeout "${T_FLCE:-150}" python3 -m benchmarks.bench_flce --out "$RES" 2>&1 \
+                | tee "$RES/bench_flce.log" | tail -n 20 ;;&
+    decode|all) timeout "${T_DECODE:-200}" python3 -m benchmarks.bench_decode --out "$RES" 2>&1 \
+                  | tee "$RES/bench_decode.log" | tail -n 20 ;;&
+    e2e|all) timeout "${T_E2E:-500}" python3 -m benchmarks.bench_e2e --out "$RES" --runs ${E2E:-llama-1b:8} \
+               ${E2E_IMPLS:+--impls $E2E_IMPLS} ${E2E_ARGS:-} 2>&1 | tee "$RES/bench_e2e.log" | grep -v "^{" ;;&
     *) ;;
   esac
 done
+tar czf "$OUT/sweep.tgz" -C "$RES" . && ls -la "$RES"
