@@ -177,13 +177,13 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
 
 # Kernel-name patterns -> category, first match wins.
 CATEGORIES = [
-    ("attention (flash/cuDNN/flex)", r"flash|fmha|attention|attn|cudnn"),
-    ("matmul (cuBLAS/CUTLASS)", r"gemm|matmul|cutlass|nvjet|xmma|sm90|cublas|splitk"),
-    ("ligermodels kernels: rms_norm", r"rms"),
-    ("ligermodels kernels: rope", r"rope"),
-    ("ligermodels kernels: glu", r"glu"),
-    ("ligermodels kernels: cross-entropy", r"_ce_|cross_entropy|lse|flce"),
-    ("optimizer (fused AdamW)", r"adam|multi_tensor"),
+    ("optimizer (fused AdamW)", r"adam|multi_tensor|FusedOptim"),
+    ("attention (flash/cuDNN/flex)", r"flash|fmha|attention|_attn|sdpa|dot_do_o|dq_to_16"),
+    ("matmul (cuBLAS/CUTLASS)", r"gemm|matmul|cutlass|nvjet|xmma|cublas|splitk"),
+    ("ligermodels kernels: rms_norm", r"_rms_norm"),
+    ("ligermodels kernels: rope", r"_rope"),
+    ("ligermodels kernels: glu", r"_glu"),
+    ("ligermodels kernels: cross-entropy", r"_ce_|_flce|_scale_cast"),
     ("embedding", r"embedding|index_select|indexing_backward|index_put|scatter"),
     ("copies and casts", r"copy|cast|cat|fill|zero"),
 ]
