@@ -4,7 +4,7 @@
 # Everything (logs, results JSON, profiles) is written to /tmp/sweep and packed into $OUT/sweep.tgz at the
 # end (the device tool returns at most 8 files). Each step has its own time limit (seconds), so the pack
 # still happens when one step hangs:
-#   T_TESTS T_KERNELS T_FLCE T_DECODE T_E2E
+#   T_TEST_FILE T_KERNELS T_FLCE T_DECODE T_E2E   (TEST_FILES limits the test files)
 # KERNELS="rms_norm rope" limits the kernel families (rows of the others are kept from the committed JSON).
 # E2E="llama-1b:8 qwen2-1.5b:4" and E2E_IMPLS="ligermodels hf hf+liger ..." choose the end-to-end runs;
 # E2E_ARGS adds flags (e.g. "--profile", "--max-batch", "--ac").
@@ -21,8 +21,12 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for what in "${@:-all}"; do
   echo "=== $what ($(date +%T))"
   case $what in
-    tests|all) timeout "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider -rs tests 2>&1 \
-                 | tee "$RES/gpu_tests.log" | tail -n 30 ;;&
+    tests|all)  # one file at a time, each with its own limit, so a slow file never hides the others' results
+      for f in ${TEST_FILES:-tests/test_*.py}; do
+        echo "--- $f"
+        timeout "${T_TEST_FILE:-120}" python3 -m pytest -q -p no:cacheprovider -rfs --tb=short --durations=3 "$f" 2>&1 \
+          | tee -a "$RES/gpu_tests.log" | grep -E "passed|failed|FAILED|Error|error|SKIPPED|^[0-9.]+s " | head -n 30
+      done ;;&
     kernels|all)
       old=$(ls -t benchmarks/results/kernels-*.json 2>/dev/null | head -n 1)
       timeout "${T_KERNELS:-300}" python3 -m benchmarks.bench_kernels --out "$RES" \

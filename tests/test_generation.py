@@ -104,7 +104,8 @@ def test_eos_per_row_then_padding_and_early_stop(tmp_path):
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    # head_dim 16: Inductor's attention lowering (compiled decode on CUDA) needs at least 16.
+    cfg = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4,
                         num_kv_heads=2, max_position_embeddings=64)
     return LigerLlama(cfg).init_weights(std=0.2).to(DEVICE).eval()
 
@@ -155,7 +156,7 @@ def test_cached_attention_matches_masked_softmax():
 
 def test_cache_shapes_and_decode_logits_match_full_forward(tiny):
     cache = KVCache(tiny.config, 2, 9, torch.float32, DEVICE)
-    assert cache.k[0].shape == (2, 9, 2, 8) and len(cache.v) == 2
+    assert cache.k[0].shape == (2, 9, 2, tiny.config.head_dim) and len(cache.v) == 2
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     pos = torch.arange(9, device=DEVICE).expand(2, 9)
     steps = [prefill(tiny, cache, ids[:, :5], pos[:, :5])]
