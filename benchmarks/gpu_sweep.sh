@@ -25,7 +25,7 @@ for what in "${@:-all}"; do
       for f in ${TEST_FILES:-tests/test_*.py}; do
         echo "--- $f"
         timeout "${T_TEST_FILE:-120}" python3 -m pytest -q -p no:cacheprovider -rfs --tb=short --durations=3 "$f" 2>&1 \
-          | tee -a "$RES/gpu_tests.log" | grep -E "passed|failed|FAILED|Error|error|SKIPPED|^[0-9.]+s " | head -n 30
+          | tee -a "$RES/gpu_tests.log" | grep -E "passed|failed|FAILED|Error|error|SKIPPED|^E |^[0-9.]+s " | head -n 30
       done ;;&
     kernels|all)
       old=$(ls -t benchmarks/results/kernels-*.json 2>/dev/null | head -n 1)
