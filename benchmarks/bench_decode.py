@@ -104,6 +104,8 @@ def main() -> None:
     }
     names = [n for n in impls if args.only is None or n in args.only]
 
+    env = environment()
+    config = {"model": "Llama-3.2-1B shape, random bf16", **LLAMA_3_2_1B}
     rows = []
     for batch in args.batches:
         g = torch.Generator().manual_seed(batch)
@@ -139,12 +141,10 @@ def main() -> None:
                   f"({row['ms_per_step']:.2f} ms/step)  e2e {row['e2e_tokens_per_s']:>9.1f} tok/s  "
                   f"prefill {row['prefill_ms']:.1f} ms  match {row.get('match_prefix')}/{len(gen)}")
         rows += batch_rows
-
-    env = environment()
-    gpu = env["gpu"].replace(" ", "_")
-    config = {"model": "Llama-3.2-1B shape, random bf16", **LLAMA_3_2_1B}
-    path = write_results(f"decode-{gpu}-{env['date']}", {"config": config, "rows": rows}, args.out)
-    print("wrote", path)
+        # written after every batch, so a run stopped at its time limit keeps the batches it finished
+        path = write_results(f"decode-{env['gpu'].replace(' ', '_')}-{env['date']}", {"config": config, "rows": rows},
+                             args.out)
+        print("wrote", path)
 
 
 if __name__ == "__main__":

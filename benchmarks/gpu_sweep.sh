@@ -7,6 +7,7 @@
 #   T_TEST_FILE T_KERNELS T_FLCE T_DECODE T_E2E   (TEST_FILES limits the test files)
 # KERNELS="rms_norm rope" limits the kernel families (rows of the others are kept from the committed JSON).
 # E2E="llama-1b:8 qwen2-1.5b:4" and E2E_IMPLS="ligermodels hf hf+liger ..." choose the end-to-end runs;
+# DECODE_ARGS adds bench_decode flags (e.g. "--only ligermodels-compiled transformers-static").
 # E2E_ARGS adds flags (e.g. "--profile", "--max-batch", "--ac").
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -33,7 +34,7 @@ for what in "${@:-all}"; do
         ${KERNELS:+--only $KERNELS ${old:+--merge-from $old}} 2>&1 | tee "$RES/bench_kernels.log" | tail -n 60 ;;&
     flce|all) timeout "${T_FLCE:-150}" python3 -m benchmarks.bench_flce --out "$RES" 2>&1 \
                 | tee "$RES/bench_flce.log" | tail -n 20 ;;&
-    decode|all) timeout "${T_DECODE:-200}" python3 -m benchmarks.bench_decode --out "$RES" 2>&1 \
+    decode|all) timeout "${T_DECODE:-200}" python3 -m benchmarks.bench_decode --out "$RES" ${DECODE_ARGS:-} 2>&1 \
                   | tee "$RES/bench_decode.log" | tail -n 20 ;;&
     e2e|all) timeout "${T_E2E:-500}" python3 -m benchmarks.bench_e2e --out "$RES" --runs ${E2E:-llama-1b:8} \
                ${E2E_IMPLS:+--impls $E2E_IMPLS} ${E2E_ARGS:-} 2>&1 | tee "$RES/bench_e2e.log" | grep -v "^{" ;;&
