@@ -294,7 +294,8 @@ def merge(path: str, rows: list[dict], extra: dict) -> None:
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-        data.update(environment())
+        if torch.cuda.is_available():  # merging results fetched from the GPU elsewhere keeps their environment
+            data.update(environment())
 
     def key(r):
         return (r["impl"], r.get("variant"), r["model"], r["batch"], r.get("activation_checkpointing", False),

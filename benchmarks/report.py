@@ -77,18 +77,77 @@ def flce_table(d: dict) -> str:
 
 
 def e2e_table(d: dict) -> str:
-    lines = [f"One training step (forward + backward + AdamW), seq {d['rows'][0].get('seq', 2048)}, on {_env(d)}.", "",
-             "| model | batch | impl | tokens/s | MFU | peak memory (GB) |", "|---|---|---|---|---|---|"]
-    for r in d["rows"]:
+    """One row per (model, batch, impl): tokens/s, MFU, peak memory, and ours against the baselines."""
+    rows = [r for r in d["rows"] if not r.get("max_batch")]
+    best = {}  # (model, batch, impl) -> the faster of eager / compiled
+    for r in rows:
+        k = (r["model"], r["batch"], r["impl"])
+        if "tokens_per_s" in r and (k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]):
+            best[k] = r
+    lines = [f"One training step (forward + backward + fused AdamW, bf16 weights), seq {rows[0].get('seq', 2048)}, "
+             f"median of timed steps, on {_env(d)}. MFU against 989 TFLOP/s; memory is peak allocated (GB = 1e9 B). "
+             "The last two columns compare ligermodels (its faster variant) with HF + Liger-Kernel and HF + "
+             "torch.compile in the same run (speed: >1 is faster; memory: <1 is less).", "",
+             "| model | batch | impl | variant | tokens/s | MFU | peak memory (GB) | ours vs HF+Liger | "
+             "ours vs HF+compile |", "|---|---|---|---|---|---|---|---|---|"]
+    order = {"ligermodels": 0, "hf+liger": 1, "hf+compile": 2, "hf": 3}
+    for r in sorted(rows, key=lambda r: (r["model"], r["batch"], order.get(r["impl"], 9), r.get("variant", ""))):
+        head = f"| {r['model']} | {r['batch']} | {r['impl']} | {r.get('variant', '')} |"
         if r.get("oom"):
-            lines.append(f"| {r['model']} | {r['batch']} | {r['impl']} | out of memory | | |")
-        elif "error" in r:
-            lines.append(f"| {r['model']} | {r['batch']} | {r['impl']} | error: {r['error'][:60]} | | |")
-        else:
-            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
-            lines.append(f"| {r['model']} | {r['batch']} | {r['impl']} | {r['tokens_per_s']:,.0f} | {mfu} | "
-                         f"{r['peak_mem_gb']:.1f} |")
+            lines.append(f"{head} out of memory | | | | |")
+            continue
+        if "error" in r:
+            lines.append(f"{head} error: {r['error'][:60]} | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        vs = []
+        ours = best.get((r["model"], r["batch"], "ligermodels"))
+        for base in ("hf+liger", "hf+compile"):
+            b = best.get((r["model"], r["batch"], base))
+            if r["impl"] == "ligermodels" and r is ours and b:
+                vs.append(f"{ours['tokens_per_s'] / b['tokens_per_s']:.2f}x speed, "
+                          f"{ours['peak_mem_gb'] / b['peak_mem_gb']:.2f}x memory")
+            else:
+                vs.append("")
+        lines.append(f"{head} {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} | {vs[0]} | {vs[1]} |")
+    fits = [r for r in d["rows"] if r.get("max_batch")]
+    if fits:
+        lines += ["", "Largest batch that fits (seq 2048): " + ", ".join(
+            f"{r['model']} {r['impl']} ({r.get('variant', '')}) {r['batch']}" for r in fits) + "."]
     return "\n".join(lines)
+
+
+def e2e_plot(d: dict, path: str) -> str | None:
+    """Bar chart of tokens/s and peak memory per implementation and shape (PNG); None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in d["rows"] if not r.get("max_batch")]
+    shapes = sorted({(r["model"], r["batch"]) for r in rows})
+    impls = sorted({(r["impl"], r.get("variant", "")) for r in rows}, key=lambda x: (x[0] != "ligermodels", x))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / len(impls)
+    for j, (impl, variant) in enumerate(impls):
+        for ax, key in zip(axes, ("tokens_per_s", "peak_mem_gb"), strict=True):
+            vals = []
+            for shape in shapes:
+                r = next((r for r in rows if (r["model"], r["batch"]) == shape and r["impl"] == impl
+                          and r.get("variant", "") == variant), None)
+                vals.append(r.get(key, 0) if r else 0)
+            ax.bar([i + j * width for i in range(len(shapes))], vals, width, label=f"{impl} ({variant})")
+    for ax, title in zip(axes, ("tokens/s (higher is better)", "peak memory, GB (lower is better; 0 = OOM/not run)"),
+                         strict=True):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], [f"{m}\nbatch {b}" for m, b in shapes])
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Training step, seq 2048, {d['gpu']} ({d['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def decode_table(d: dict) -> str:
@@ -99,12 +158,14 @@ def decode_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def tables() -> str:
+def tables(e2e_png: str | None = None) -> str:
     parts = []
     for prefix, fn in (("e2e", e2e_table), ("kernels", kernels_table), ("flce", flce_table), ("decode", decode_table)):
         d = _latest(prefix)
         if d:
             parts.append(fn(d))
+            if prefix == "e2e" and e2e_png:
+                parts.append(f"![training step: tokens/s and peak memory]({os.path.relpath(e2e_png, ROOT)})")
     return "\n\n".join(parts) if parts else "No GPU results committed yet."
 
 
@@ -112,7 +173,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--print", action="store_true", help="print instead of rewriting README.md")
     args = ap.parse_args()
-    text = tables()
+    png = None
+    e2e = _latest("e2e")
+    if e2e and not args.print:
+        png = e2e_plot(e2e, os.path.join(RESULTS, os.path.basename(e2e["_file"]).replace(".json", ".png")))
+    text = tables(png)
     if args.print:
         print(text)
         return
