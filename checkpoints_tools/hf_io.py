@@ -41,6 +41,7 @@ def to_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def read_config(directory: str) -> dict:
+    """The ``config.json`` of a checkpoint directory as a dict; a CheckpointError naming what is wrong."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"{directory} has no config.json")

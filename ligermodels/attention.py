@@ -35,6 +35,7 @@ class AttentionMask:
     cache: dict = field(default_factory=dict)
 
     def needs_mask(self, window: int | None) -> bool:
+        """Whether attention with this window needs more than plain causal masking."""
         return self.document_ids is not None or (window is not None and window < self.seq_len)
 
     def allowed(self, window: int | None, device: torch.device) -> torch.Tensor:

@@ -42,6 +42,7 @@ class RMSNorm(nn.Module):
         nn.init.constant_(self.weight, 1.0 - self.offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(..., H) -> (..., H); with a residual, ((..., H) normalised sum, (..., H) sum)."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.offset, self.casting)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting)

@@ -88,10 +88,12 @@ class DecoderConfig:
 
     @property
     def q_size(self) -> int:
+        """Width of the query projection, Hq * D."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
+        """Width of the key (and of the value) projection, Hkv * D."""
         return self.num_kv_heads * self.head_dim
 
     def replace(self, **changes) -> DecoderConfig:

@@ -76,6 +76,7 @@ class KVCache:
             _mark_static(t)
 
     def matches(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether this cache can be reused for a call of this batch, length, dtype and device."""
         return (self.batch, self.max_len, self.dtype, self.device) == (batch, max_len, dtype, torch.device(device))
 
     def reset(self, attention_mask: torch.Tensor | None = None) -> None:
