@@ -5,8 +5,11 @@ document masking, through PyTorch's fused attention kernels.
   ``scaled_dot_product_attention(is_causal=True)``: flash or cuDNN on the GPU, never a mask tensor.
   Grouped-query attention uses ``enable_gqa``, so k/v are never repeated in memory.
 * A sliding window shorter than the sequence, or packed documents (attention must not cross a
-  document boundary), need a mask. On CUDA that is FlexAttention with a block-sparse mask (only the
-  blocks that hold allowed pairs are computed); elsewhere a dense boolean mask through SDPA.
+  document boundary), need a mask. On CUDA, for sequences longer than one FlexAttention block
+  (128), that is FlexAttention with a block-sparse mask (only the blocks that hold allowed pairs are
+  computed); elsewhere, and for short sequences where one block holds everything (and Inductor's
+  FlexAttention template may have no valid configuration for tiny head dims), a dense boolean mask
+  through SDPA.
 
 A query at position q sees a key at position k when ``k <= q``, ``q - k < window`` and both lie in
 the same document (HF's sliding-window convention: the window counts the query itself).
@@ -77,6 +80,9 @@ class AttentionMask:
 
 _compiled_flex = None
 
+#: Sequences up to this length use the dense mask even on CUDA: one FlexAttention block covers them.
+FLEX_MIN_SEQ = 128
+
 
 def _flex_attention(q, k, v, block_mask, scale, enable_gqa):
     global _compiled_flex
@@ -104,7 +110,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     if mask is None or not mask.needs_mask(window):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,
                                            enable_gqa=gqa)
-    elif q.is_cuda and dropout_p == 0.0:
+    elif q.is_cuda and dropout_p == 0.0 and q.shape[1] > FLEX_MIN_SEQ:
         o = _flex_attention(qt, kt, vt, mask.block_mask(window, q.shape[0], q.device), scale, gqa)
     else:
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask.allowed(window, q.device), scale=scale,

@@ -163,6 +163,9 @@ def init_linear_(module: nn.Module, std: float) -> None:
             nn.init.normal_(m.weight, std=std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+            if getattr(m, "padding_idx", None) is not None:  # as HF: the padding row starts at zero
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
         elif isinstance(m, (RMSNorm, RotaryEmbedding)):
             m.reset_parameters()
 

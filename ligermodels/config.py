@@ -35,6 +35,8 @@ class DecoderConfig:
         attn_scale: softmax scale; None means head_dim ** -0.5.
         attention_dropout: dropout on attention probabilities in training mode.
         max_position_embeddings: longest sequence the checkpoint was trained for.
+        pad_token_id: the embedding's padding row, as HF's ``nn.Embedding(padding_idx=pad_token_id)``:
+            it receives no gradient (and starts at zero when training from scratch); None for none.
         model_type: the HF ``model_type`` this config was read from (used when saving back).
         hf_config: the original HF config dict, kept so ``save_hf`` can write it back unchanged.
     """
@@ -61,6 +63,7 @@ class DecoderConfig:
     attn_scale: float | None = None
     attention_dropout: float = 0.0
     max_position_embeddings: int = 4096
+    pad_token_id: int | None = None
     model_type: str = "llama"
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -42,6 +42,13 @@ def _head_dim(d: dict) -> int:
     return d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
 
 
+def _padding_idx(d: dict) -> int | None:
+    """HF builds the embedding with ``padding_idx=pad_token_id`` (its row gets no gradient); out-of-range ids
+    (some configs carry one past the vocabulary) are refused there too, so they are dropped here."""
+    pad = d.get("pad_token_id")
+    return pad if isinstance(pad, int) and 0 <= pad < d["vocab_size"] else None
+
+
 def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
     """Fields every family shares, read the way transformers reads them."""
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -60,7 +67,7 @@ def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_dropout=float(d.get("attention_dropout") or 0.0),
         max_position_embeddings=d.get("max_position_embeddings", 4096),
-        model_type=model_type, hf_config=dict(d),
+        pad_token_id=_padding_idx(d), model_type=model_type, hf_config=dict(d),
     )
     fields.update(overrides)
     return DecoderConfig(**fields)
@@ -185,7 +192,7 @@ def config_to_hf(config: DecoderConfig) -> dict:
         "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim, "rms_norm_eps": c.norm_eps, "hidden_act": act,
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_embeddings,
-        "attention_dropout": c.attention_dropout, **c.rope.to_hf(),
+        "attention_dropout": c.attention_dropout, "pad_token_id": c.pad_token_id, **c.rope.to_hf(),
     }
     if c.model_type in ("llama", "gemma"):
         d["attention_bias"] = c.qkv_bias

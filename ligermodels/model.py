@@ -34,7 +34,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = c = config
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
         self.rotary = RotaryEmbedding(c.rope)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.norm_offset, c.norm_casting)
