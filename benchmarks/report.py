@@ -150,6 +150,21 @@ def e2e_plot(d: dict, path: str) -> str | None:
     return path
 
 
+def fsdp_table(d: dict) -> str:
+    """The training loop under torchrun on 1 and N GPUs (weak scaling: the same batch per GPU)."""
+    lines = [f"Training loop (`ligermodels.train`, FSDP2), {d.get('model', '')}, on {_env(d)}. "
+             "Same micro-batch per GPU; "
+             "MFU per GPU against 989 TFLOP/s; peak memory of rank 0.", "",
+             "| GPUs | batch x seq per GPU | tokens/s total | tokens/s per GPU | scaling | MFU | peak memory (GB) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        lines.append(f"| {r['nproc']} | {r['batch_size']} x {r['seq_len']} | {r['tokens_per_s_total']:,.0f} | "
+                     f"{r['tokens_per_s_per_gpu']:,.0f} | {100 * r['scaling_efficiency']:.0f}% | {mfu} | "
+                     f"{r['peak_mem_gb']:.1f} |")
+    return "\n".join(lines)
+
+
 def decode_table(d: dict) -> str:
     lines = [f"Greedy decoding, on {_env(d)}.", "", "| impl | batch | tokens/s |", "|---|---|---|"]
     for r in d["rows"]:
@@ -160,7 +175,8 @@ def decode_table(d: dict) -> str:
 
 def tables(e2e_png: str | None = None) -> str:
     parts = []
-    for prefix, fn in (("e2e", e2e_table), ("kernels", kernels_table), ("flce", flce_table), ("decode", decode_table)):
+    for prefix, fn in (("e2e", e2e_table), ("kernels", kernels_table), ("flce", flce_table), ("decode", decode_table),
+                       ("fsdp", fsdp_table)):
         d = _latest(prefix)
         if d:
             parts.append(fn(d))
