@@ -54,6 +54,12 @@ def _check(ours, hf, ids, mask, new=NEW, eos=None):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_transformers(case, tmp_path):
+    import transformers
+
+    if case == "phi3_longrope" and tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
+        # Seen with transformers 5.17 (GPU machines, and on CPU): its greedy tokens leave 5.23's (and ours)
+        # at the step that crosses original_max_position_embeddings; 5.23 and ours agree token for token.
+        pytest.skip("Phi-3 longrope generation across the long-factor switch differs before transformers 5.23")
     hf = make_hf_checkpoint(case, str(tmp_path))
     ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32, device=DEVICE)
     assert_triton_runs(ours.embed.weight)
