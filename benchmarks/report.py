@@ -28,6 +28,20 @@ def _latest(prefix: str) -> dict | None:
     return data
 
 
+def _latest_per_gpu(prefix: str) -> list[dict]:
+    """The newest ``<prefix>-<gpu>-<date>.json`` of each GPU, the GPU with the most rows first."""
+    newest: dict[str, str] = {}
+    for f in sorted(glob.glob(os.path.join(RESULTS, f"{prefix}-*.json")), key=os.path.getmtime):
+        newest[os.path.basename(f)[len(prefix) + 1:].rsplit("-", 3)[0]] = f
+    out = []
+    for f in newest.values():
+        with open(f) as fh:
+            data = json.load(fh)
+        data["_file"] = os.path.relpath(f, ROOT)
+        out.append(data)
+    return sorted(out, key=lambda d: -len(d.get("rows", [])))
+
+
 def _env(d: dict) -> str:
     extra = f", transformers {d['transformers']}" if "transformers" in d else ""
     return f"{d['gpu']}, torch {d['torch']}, triton {d['triton']}{extra}, {d['date']} (`{d['_file']}`)"
@@ -92,7 +106,8 @@ def e2e_table(d: dict) -> str:
              "ours vs HF+compile |", "|---|---|---|---|---|---|---|---|---|"]
     order = {"ligermodels": 0, "hf+liger": 1, "hf+compile": 2, "hf": 3}
     for r in sorted(rows, key=lambda r: (r["model"], r["batch"], order.get(r["impl"], 9), r.get("variant", ""))):
-        head = f"| {r['model']} | {r['batch']} | {r['impl']} | {r.get('variant', '')} |"
+        variant = r.get("variant", "") + (" + full act. checkpointing" if r.get("activation_checkpointing") else "")
+        head = f"| {r['model']} | {r['batch']} | {r['impl']} | {variant} |"
         if r.get("oom"):
             lines.append(f"{head} out of memory | | | | |")
             continue
@@ -173,15 +188,17 @@ def decode_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def tables(e2e_png: str | None = None) -> str:
+def tables(e2e_pngs: dict[str, str] | None = None) -> str:
     parts = []
-    for prefix, fn in (("e2e", e2e_table), ("kernels", kernels_table), ("flce", flce_table), ("decode", decode_table),
+    for d in _latest_per_gpu("e2e"):
+        parts.append(e2e_table(d))
+        if e2e_pngs and d["_file"] in e2e_pngs:
+            parts.append(f"![training step: tokens/s and peak memory]({os.path.relpath(e2e_pngs[d['_file']], ROOT)})")
+    for prefix, fn in (("kernels", kernels_table), ("flce", flce_table), ("decode", decode_table),
                        ("fsdp", fsdp_table)):
         d = _latest(prefix)
         if d:
             parts.append(fn(d))
-            if prefix == "e2e" and e2e_png:
-                parts.append(f"![training step: tokens/s and peak memory]({os.path.relpath(e2e_png, ROOT)})")
     return "\n\n".join(parts) if parts else "No GPU results committed yet."
 
 
@@ -189,11 +206,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--print", action="store_true", help="print instead of rewriting README.md")
     args = ap.parse_args()
-    png = None
-    e2e = _latest("e2e")
-    if e2e and not args.print:
-        png = e2e_plot(e2e, os.path.join(RESULTS, os.path.basename(e2e["_file"]).replace(".json", ".png")))
-    text = tables(png)
+    pngs = {}
+    for d in _latest_per_gpu("e2e")[:1] if not args.print else []:  # the main comparison gets a plot
+        png = e2e_plot(d, os.path.join(RESULTS, os.path.basename(d["_file"]).replace(".json", ".png")))
+        if png:
+            pngs[d["_file"]] = png
+    text = tables(pngs)
     if args.print:
         print(text)
         return
