@@ -20,6 +20,11 @@ their batch / seq / head strides and only the last dim must be unit-stride. cos 
 fp32 or the model dtype. D must be even; it need not be a power of two (Phi-3: 96), the halves are
 masked. Outputs are fresh contiguous tensors in q's dtype; the math runs in fp32.
 
+``apply_rope_qkv_`` is the in-place form for blocks that own a packed (B, S, (Hq + 2*Hkv) * D)
+projection output: the kernel writes the rotated q and k heads back where they were read (each
+tile is loaded whole before it is stored), so no rotated copies exist; its backward writes a new
+gradient buffer with the q / k heads rotated back and the v heads copied.
+
 One program handles one token: it loads that token's cos / sin once, then rotates all q heads and
 then all kv heads, in tiles of up to ``_TILE`` elements per half.
 
@@ -43,9 +48,10 @@ _TILE = 2048  # elements per half-tile of one program: 32 heads x 64 (head_dim 1
 
 # --------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, half, c1, c2, s1, s2,
+def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, c1, c2, s1, s2,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate the ``n_heads`` rows of one token: x at ``x_ptr`` (head stride ``stride_h``) -> o (contiguous)."""
+    """Rotate the ``n_heads`` rows of one token: x at ``x_ptr`` (head stride ``stride_h``) -> o at
+    ``o_ptr`` (head stride ``stride_oh``). Each tile is loaded whole before it is stored, so o may be x."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     dmask = d < half
@@ -53,7 +59,7 @@ def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, half, c1, c2, s1, s2,
         hh = h0 + h
         mask = (hh < n_heads)[:, None] & dmask[None, :]
         x_off = hh[:, None] * stride_h + d[None, :]
-        o_off = hh[:, None] * (2 * half) + d[None, :]
+        o_off = hh[:, None] * stride_oh + d[None, :]
         x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + x_off + half, mask=mask, other=0.0).to(tl.float32)
         tl.store(o_ptr + o_off, (x1 * c1 - x2 * s1).to(o_ptr.dtype.element_ty), mask=mask)
@@ -62,7 +68,8 @@ def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, half, c1, c2, s1, s2,
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_qh, n_kh,
-                 sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sc_b, sc_s, ss_b, ss_s, half,
+                 sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
+                 sc_b, sc_s, ss_b, ss_s, half,
                  BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // seq_len
@@ -79,9 +86,9 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_qh, 
         s1_fwd = s1
         s1 = -s2
         s2 = -s1_fwd
-    _rotate_heads(q_ptr + b * sq_b + s * sq_s, qo_ptr + tok * (n_qh * 2 * half), n_qh, sq_h, half,
+    _rotate_heads(q_ptr + b * sq_b + s * sq_s, qo_ptr + b * sqo_b + s * sqo_s, n_qh, sq_h, sqo_h, half,
                   c1, c2, s1, s2, BLOCK_HQ, BLOCK_D)
-    _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + tok * (n_kh * 2 * half), n_kh, sk_h, half,
+    _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half,
                   c1, c2, s1, s2, BLOCK_HK, BLOCK_D)
 
 
@@ -101,39 +108,73 @@ def _head_block(n_heads: int, block_d: int) -> int:
     return min(triton.next_power_of_2(max(n_heads, 1)), max(_TILE // block_d, 1))
 
 
-def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-            backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    x_q, x_k, cos, sin = _unit_last(x_q), _unit_last(x_k), _unit_last(cos), _unit_last(sin)
+def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qo: torch.Tensor,
+            ko: torch.Tensor, backward: bool) -> None:
+    """Rotate x_q -> qo and x_k -> ko, all (B, S, H, D) with unit last stride (qo / ko may alias x_q / x_k)."""
     B, S, Hq, D = x_q.shape
     Hkv = x_k.shape[2]
-    qo = torch.empty((B, S, Hq, D), dtype=x_q.dtype, device=x_q.device)
-    ko = torch.empty((B, S, Hkv, D), dtype=x_q.dtype, device=x_q.device)
     if B * S == 0 or D == 0:
-        return qo, ko
+        return
     block_d = triton.next_power_of_2(int(D) // 2)  # compile-time sizes: int() specialises symbolic shapes
     sc_b, sc_s = _cs_strides(cos)
     ss_b, ss_s = _cs_strides(sin)
     wrap_triton(_rope_kernel)[(B * S,)](
         x_q, x_k, cos, sin, qo, ko, S, Hq, Hkv,
         x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
+        qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         sc_b, sc_s, ss_b, ss_s, D // 2,
         BACKWARD=backward, BLOCK_HQ=_head_block(int(Hq), block_d), BLOCK_HK=_head_block(int(Hkv), block_d),
         BLOCK_D=block_d, num_warps=4)
+
+
+def _rotate_new(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of x_q and x_k as fresh contiguous tensors in x_q's dtype."""
+    x_q, x_k, cos, sin = _unit_last(x_q), _unit_last(x_k), _unit_last(cos), _unit_last(sin)
+    qo = torch.empty(x_q.shape, dtype=x_q.dtype, device=x_q.device)
+    ko = torch.empty(x_k.shape, dtype=x_q.dtype, device=x_q.device)
+    _launch(x_q, x_k, cos, sin, qo, ko, backward)
     return qo, ko
+
+
+def _split_heads(qkv: torch.Tensor, n_q: int, n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, S, (Hq + 2*Hkv) * D) -> q, k, v views (B, S, H, D) of the packed projection output."""
+    b, s, n = qkv.shape
+    heads = qkv.view(b, s, n_q + 2 * n_kv, n // (n_q + 2 * n_kv))
+    return heads[:, :, :n_q], heads[:, :, n_q:n_q + n_kv], heads[:, :, n_q + n_kv:]
 
 
 @triton_op(f"{LIB}::rope_fwd", mutates_args={})
 def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot, k_rot), fresh contiguous (B, S, H, D) tensors in q's dtype."""
-    return _launch(q, k, cos, sin, backward=False)
+    return _rotate_new(q, k, cos, sin, backward=False)
 
 
 @triton_op(f"{LIB}::rope_bwd", mutates_args={})
 def _rope_bwd(dq_rot: torch.Tensor, dk_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) from the gradients of q_rot and k_rot, fresh contiguous (B, S, H, D) tensors."""
-    return _launch(dq_rot, dk_rot, cos, sin, backward=True)
+    return _rotate_new(dq_rot, dk_rot, cos, sin, backward=True)
+
+
+@triton_op(f"{LIB}::rope_qkv_", mutates_args={"qkv"})
+def _rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int) -> None:
+    """Rotate the q and k heads of a packed (B, S, (Hq + 2*Hkv) * D) projection output in place."""
+    q, k, _ = _split_heads(qkv, n_q, n_kv)
+    _launch(q, k, _unit_last(cos), _unit_last(sin), q, k, backward=False)
+
+
+@triton_op(f"{LIB}::rope_qkv_bwd", mutates_args={})
+def _rope_qkv_bwd(dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+    """Gradient of the packed qkv before :func:`_rope_qkv_`: q / k heads rotated back, v heads copied."""
+    dqkv = _unit_last(dqkv)
+    out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
+    dq, dk, dv = _split_heads(dqkv, n_q, n_kv)
+    oq, ok, ov = _split_heads(out, n_q, n_kv)
+    _launch(dq, dk, _unit_last(cos), _unit_last(sin), oq, ok, backward=True)
+    ov.copy_(dv)
+    return out
 
 
 class RoPEFunction(torch.autograd.Function):
@@ -149,6 +190,27 @@ class RoPEFunction(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         dq, dk = _rope_bwd(dq_rot, dk_rot, cos, sin)
         return dq, dk, None, None
+
+
+class RoPEQKVInplaceFunction(torch.autograd.Function):
+    """Autograd wrapper of the in-place rotation of a packed qkv: ``forward(qkv, cos, sin, n_q, n_kv) -> qkv``.
+
+    The forward overwrites q and k in the caller's buffer (``mark_dirty``); the backward writes a new
+    gradient buffer (the incoming one is left as it is).
+    """
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+        _rope_qkv_(qkv, cos, sin, n_q, n_kv)
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads = (n_q, n_kv)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, dqkv: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rope_qkv_bwd(dqkv, cos, sin, *ctx.heads), None, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -216,3 +278,42 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if not use_triton(q):
         return rope_reference(q, k, cos, sin)
     return RoPEFunction.apply(q, k, cos, sin)
+
+
+def apply_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                    num_kv_heads: int) -> torch.Tensor:
+    """Rotate the q and k heads of a packed q/k/v projection output **in place**; returns ``qkv``.
+
+    For blocks that own the projection's output buffer: the rotated q and k take no new memory, so
+    attention saves views of this one buffer for backward instead of separate rotated copies
+    (at Llama-3.2-1B, batch 8 x 2048, 1.3 GB less). Unlike the other public ops this one
+    modifies its input, by design; autograd tracks it (``mark_dirty``), so a stale use raises.
+
+    Args:
+        qkv: (B, S, (Hq + 2*Hkv) * D) with unit last stride, heads ordered q, k, v (the layout of a
+            fused projection); not a view (the projection's own output).
+        cos, sin: as in :func:`apply_rope`.
+        num_q_heads, num_kv_heads: Hq and Hkv.
+    Returns:
+        ``qkv``, with its q and k heads rotated; view it as (B, S, Hq + 2*Hkv, D) to split heads.
+    """
+    if qkv.dim() != 3:
+        raise ValueError(f"apply_rope_qkv_: qkv must be (batch, seq, (Hq + 2*Hkv) * head_dim), got {tuple(qkv.shape)}")
+    heads = num_q_heads + 2 * num_kv_heads
+    if num_q_heads < 1 or num_kv_heads < 1 or qkv.shape[-1] % heads:
+        raise ValueError(f"apply_rope_qkv_: last dim {qkv.shape[-1]} is not (Hq + 2*Hkv) * head_dim for "
+                         f"Hq={num_q_heads}, Hkv={num_kv_heads}")
+    if qkv.stride(-1) != 1:
+        raise ValueError("apply_rope_qkv_: qkv must have a unit last stride")
+    q, k, _ = _split_heads(qkv, num_q_heads, num_kv_heads)
+    _check(q, k, cos, sin)
+    if not use_triton(qkv):
+        q_rot, k_rot = rope_reference(q, k, cos, sin)
+        if qkv.requires_grad and torch.is_grad_enabled():  # autograd needs an out-of-place form
+            return torch.cat([q_rot, k_rot, qkv.view(q.shape[:2] + (heads, -1))[:, :, q.shape[2] + k.shape[2]:]],
+                             dim=2).flatten(2)
+        with torch.no_grad():
+            q.copy_(q_rot)
+            k.copy_(k_rot)
+        return qkv
+    return RoPEQKVInplaceFunction.apply(qkv, cos, sin, int(num_q_heads), int(num_kv_heads))

@@ -7,6 +7,12 @@ I = intermediate size.
 The residual stream is carried between blocks by ``fused_add_rms_norm``: every block returns its
 output *before* the residual add, and the next norm adds it to the stream and normalises it in
 one kernel pass, which is the same arithmetic (and rounding) as HF's ``residual + x`` then norm.
+
+Inside a decoder layer each norm feeds one projection, and the two run as
+``RMSNorm.project(linear, x, residual)`` (:func:`kernels.rms_norm_linear`): the norm output is
+written again in backward instead of being kept, so a layer keeps one copy of the residual stream
+per norm, not two. The rotary embedding is applied in place to the q/k/v projection output
+(:func:`kernels.apply_rope_qkv_`), so attention saves views of that one buffer, not rotated copies.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels import apply_rope, fused_add_rms_norm, glu_linear, rms_norm
+from kernels import apply_rope_qkv_, fused_add_rms_norm, glu_linear, rms_norm, rms_norm_linear
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.rope import RopeConfig, inv_freq, rope_cos_sin
@@ -46,6 +52,14 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.offset, self.casting)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting)
+
+    def project(self, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``linear(self(x, residual))`` without keeping the norm output for backward.
+
+        (..., H) -> (..., N); with a residual, ((..., N) projection, (..., H) new residual stream).
+        """
+        return rms_norm_linear(x, self.weight, linear.weight, linear.bias, residual, self.eps, self.offset,
+                               self.casting)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, casting={self.casting}"
@@ -84,8 +98,10 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     """Grouped-query causal self-attention with one fused q/k/v projection and rotary embedding.
 
-    (B, S, H) -> (B, S, H). The q/k/v projection output is viewed as (B, S, Hq + 2*Hkv, D) and
-    split along heads (views, no copies); ``apply_rope`` reads that strided layout directly.
+    (B, S, H) -> (B, S, H). ``forward(x)`` is ``attend(qkv(x))``; a decoder layer calls ``attend``
+    on the projection it computed together with its norm. The q/k/v projection output
+    (B, S, (Hq + 2*Hkv) * D) gets its q and k heads rotated in place, and is then viewed as
+    (B, S, Hq + 2*Hkv, D) and split along heads (views, no copies).
     With a ``cache`` (generation), the new k/v are written into it and attention reads it instead.
     """
 
@@ -99,10 +115,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        """(B, S, H) normalised input -> (B, S, H)."""
+        return self.attend(self.qkv(x), cos, sin, mask, cache)
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
+        """(B, S, (Hq + 2*Hkv) * D) q/k/v projection output (rotated in place) -> (B, S, H)."""
+        b, s, _ = qkv.shape
+        qkv = apply_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        qkv = qkv.view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
-        q, k = apply_rope(q, k, cos, sin)
         if cache is not None:  # generation: store k/v in the cache, attend over it
             o = cache.attend(q, k, v, mask, self.window, self.scale)
         else:
@@ -114,7 +136,8 @@ class MLP(nn.Module):
     """Gated MLP: one fused gate+up projection (H -> 2*I), SwiGLU or GeGLU, down projection (I -> H).
 
     The GLU and the down projection run as one :func:`kernels.glu_linear`, which does not keep the
-    (B, S, I) activation for backward (the backward kernel writes it again).
+    (B, S, I) activation for backward (the backward kernel writes it again). ``forward(x)`` is
+    ``glu_down(gate_up(x))``; a decoder layer computes ``gate_up`` together with its norm.
     """
 
     def __init__(self, config: DecoderConfig):
@@ -125,7 +148,12 @@ class MLP(nn.Module):
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return glu_linear(self.gate_up(x), self.down.weight, self.down.bias, self.activation)
+        """(B, S, H) normalised input -> (B, S, H)."""
+        return self.glu_down(self.gate_up(x))
+
+    def glu_down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(B, S, 2*I) packed gate+up projection output -> (B, S, H)."""
+        return glu_linear(gate_up, self.down.weight, self.down.bias, self.activation)
 
 
 class DecoderLayer(nn.Module):
@@ -134,6 +162,7 @@ class DecoderLayer(nn.Module):
     ``forward(x, residual, ...)`` takes the previous block's output ``x`` and the residual stream
     (None for the first layer, where ``x`` is the embedding) and returns (mlp output, residual);
     the caller's next norm adds the two. ``cache`` is this layer's KV cache during generation.
+    Each norm runs together with the projection it feeds (:meth:`RMSNorm.project`).
     """
 
     def __init__(self, config: DecoderConfig, layer_idx: int = 0):
@@ -148,12 +177,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask | None = None, cache: LayerKVCache | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.attn_norm(x)
+        if residual is None:  # first layer: x is the embedding and starts the residual stream
+            residual, qkv = x, self.attn_norm.project(self.attn.qkv, x)
         else:
-            h, residual = self.attn_norm(x, residual)
-        h, residual = self.mlp_norm(self.attn(h, cos, sin, mask, cache), residual)
-        return self.mlp(h), residual
+            qkv, residual = self.attn_norm.project(self.attn.qkv, x, residual)
+        a = self.attn.attend(qkv, cos, sin, mask, cache)
+        gate_up, residual = self.mlp_norm.project(self.mlp.gate_up, a, residual)
+        return self.mlp.glu_down(gate_up), residual
 
 
 def init_linear_(module: nn.Module, std: float) -> None:

@@ -8,12 +8,14 @@ import torch
 
 from kernels import (
     apply_rope,
+    apply_rope_qkv_,
     cross_entropy,
     fused_add_rms_norm,
     fused_linear_cross_entropy,
     geglu,
     glu_linear,
     rms_norm,
+    rms_norm_linear,
     swiglu,
 )
 from tests.utils import rel_err
@@ -33,6 +35,11 @@ CASES = {
     "apply_rope": (lambda q, k, c, s: apply_rope(q, k, c, s), lambda: [_r(2, 37, 6, 96), _r(2, 37, 2, 96),
                                                                        torch.randn(37, 96, device="cuda"),
                                                                        torch.randn(37, 96, device="cuda")]),
+    "apply_rope_qkv_": (lambda x, c, s: apply_rope_qkv_(x * 2, c, s, 6, 2), lambda: [_r(2, 37, 10 * 96),
+                                                                                 torch.randn(37, 96, device="cuda"),
+                                                                                 torch.randn(37, 96, device="cuda")]),
+    "rms_norm_linear": (lambda x, r, nw, w, b: rms_norm_linear(x, nw, w, b, r),
+                        lambda: [_r(3, 37, 777), _r(3, 37, 777), _r(777), _r(96, 777), _r(96)]),
     "swiglu": (lambda x: swiglu(x) + 1, lambda: [_r(5, 2 * 1000)]),
     "geglu": (lambda g, u: geglu(g, u), lambda: [_r(5, 777), _r(5, 777)]),
     "glu_linear": (lambda x, w: glu_linear(x, w, None, "gelu_tanh"), lambda: [_r(5, 2 * 777), _r(96, 777)]),

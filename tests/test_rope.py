@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels.rope as rope_mod
-from kernels.rope import apply_rope, rope_reference
+from kernels.rope import apply_rope, apply_rope_qkv_, rope_reference
 from tests.utils import DEVICE, assert_rel, assert_triton_runs, assert_unchanged, randn, rel_err, snapshot
 
 
@@ -105,6 +105,73 @@ def test_rope_matches_float64_forward_and_gradients(case, fused, per_token, dtyp
             assert ours <= 1.05 * rel_err(theirs, ref_) + 1e-6, f"{what}: worse than eager bf16"
 
 
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:], ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_qkv_inplace_matches_float64_and_leaves_v(case, dtype):
+    """The in-place packed form rotates q and k inside the projection buffer (same values as float64),
+    leaves v alone, and its backward gives the packed gradient: rotated back for q / k, v's passed on."""
+    B, S, hq, hkv, d = case
+    heads = hq + 2 * hkv
+    seed = zlib.crc32(repr(("inplace", case, dtype)).encode()) % 10_000
+    x = randn(B, S, heads * d, dtype=dtype, seed=seed).requires_grad_()
+    cos, sin = _cos_sin(_positions(B, S, True, seed), d, torch.float32)
+    dqkv = randn(B, S, heads * d, dtype=dtype, seed=seed + 1)
+    assert_triton_runs(x)
+    before_grad = snapshot(dqkv)
+
+    qkv = x * 1  # a non-leaf buffer the "block" owns, as a projection output is
+    ptr = qkv.data_ptr()
+    out = apply_rope_qkv_(qkv, cos, sin, hq, hkv)
+    assert out is qkv and out.data_ptr() == ptr, "not in place"
+    (dx,) = torch.autograd.grad(out, x, dqkv)
+    assert_unchanged(before_grad, dqkv)
+
+    x4 = x.detach().view(B, S, heads, d)
+    q, k, v = x4[:, :, :hq], x4[:, :, hq:hq + hkv], x4[:, :, hq + hkv:]
+    dq_rot, dk_rot, dv = dqkv.view(B, S, heads, d).split([hq, hkv, hkv], dim=2)
+    qr, kr, dq, dk = _float64(q, k, cos, sin, dq_rot, dk_rot)
+    o4, dx4 = out.detach().view(B, S, heads, d), dx.view(B, S, heads, d)
+    assert_rel(o4[:, :, :hq], qr, dtype, "q_rot")
+    assert_rel(o4[:, :, hq:hq + hkv], kr, dtype, "k_rot")
+    assert torch.equal(o4[:, :, hq + hkv:], v), "v heads changed"
+    assert_rel(dx4[:, :, :hq], dq, dtype, "dq")
+    assert_rel(dx4[:, :, hq:hq + hkv], dk, dtype, "dk")
+    assert torch.equal(dx4[:, :, hq + hkv:], dv), "v gradient changed"
+    # Same numbers as the out-of-place op on views of the unrotated buffer.
+    ref_q, ref_k = apply_rope(q, k, cos, sin)
+    assert torch.equal(o4[:, :, :hq], ref_q) and torch.equal(o4[:, :, hq:hq + hkv], ref_k)
+
+
+def test_rope_qkv_inplace_reference_path_agrees(monkeypatch):
+    """Without Triton (CPU fallback) the packed form gives the kernel's values and gradients."""
+    B, S, hq, hkv, d = 2, 5, 4, 2, 96
+    x = randn(B, S, (hq + 2 * hkv) * d, seed=11).requires_grad_()
+    cos, sin = _cos_sin(_positions(B, S, True, 11), d, torch.float32)
+    g = randn(*x.shape, seed=12)
+    assert_triton_runs(x)
+    ours = apply_rope_qkv_(x * 1, cos, sin, hq, hkv)
+    (d_ours,) = torch.autograd.grad(ours, x, g)
+    monkeypatch.setattr(rope_mod, "use_triton", lambda x: False)
+    ref = apply_rope_qkv_(x * 1, cos, sin, hq, hkv)
+    (d_ref,) = torch.autograd.grad(ref, x, g)
+    assert_rel(ours, ref, torch.float32, "values", bound=1e-6)
+    assert_rel(d_ours, d_ref, torch.float32, "gradient", bound=1e-6)
+    with torch.no_grad():
+        buf = x.detach().clone()
+        assert apply_rope_qkv_(buf, cos, sin, hq, hkv) is buf
+        assert_rel(buf, ref, torch.float32, "no-grad in place", bound=1e-6)
+
+
+def test_rope_qkv_inplace_rejects_bad_layouts():
+    cs = torch.zeros(2, 5, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="Hq"):
+        apply_rope_qkv_(torch.zeros(2, 5, 7 * 64 + 1, device=DEVICE), cs, cs, 5, 1)
+    with pytest.raises(ValueError, match="batch, seq"):
+        apply_rope_qkv_(torch.zeros(2, 5, 7, 64, device=DEVICE), cs, cs, 5, 1)
+    with pytest.raises(ValueError, match="cos/sin head_dim"):
+        apply_rope_qkv_(torch.zeros(2, 5, 7 * 32, device=DEVICE), cs, cs, 5, 1)
+
+
 def test_rope_general_cos_sin_halves():
     """Arbitrary cos/sin whose halves differ: catches any mix-up of halves that duplicated (HF) cos/sin would hide."""
     B, S, hq, hkv, d = 2, 5, 6, 2, 96
@@ -173,6 +240,9 @@ def test_rope_custom_ops_pass_opcheck():
     checks = ("test_schema", "test_faketensor") if DEVICE.type == "cuda" else ("test_schema",)
     for op in (torch.ops.ligermodels.rope_fwd.default, torch.ops.ligermodels.rope_bwd.default):
         torch.library.opcheck(op, args, test_utils=checks)
+    qkv = randn(1, 3, 8 * 64, seed=8)
+    for op in (torch.ops.ligermodels.rope_qkv_.default, torch.ops.ligermodels.rope_qkv_bwd.default):
+        torch.library.opcheck(op, (qkv.clone(), cos, sin, 4, 2), test_utils=checks)
 
 
 def test_rope_empty_sequence():
