@@ -55,80 +55,94 @@ def _activation(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _glu_fwd_kernel(g_ptr, u_ptr, o_ptr, stride_g, stride_u, stride_o, n_cols,
+def _glu_fwd_kernel(g_ptr, u_ptr, o_ptr, u_off, stride_g, stride_u, stride_o, n_cols,
                     ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r: out = act(g[r]) * u[r], with u read at ``u_ptr + u_off`` (the up half of a packed row)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + u_off + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     a, _ = _activation(g, ACT)
     tl.store(o_ptr + row * stride_o + cols, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, stride_do, stride_g, stride_u, stride_dg,
-                    stride_du, stride_h, n_cols, ACT: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, u_off, du_off, stride_do, stride_g, stride_u,
+                    stride_dg, stride_du, stride_h, n_cols, ACT: tl.constexpr, STORE_H: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Row r: dg, du of out = act(g) * u; u read at ``u_ptr + u_off``, du written at ``du_ptr + du_off``."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     do = tl.load(do_ptr + row * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + u_off + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     a, da = _activation(g, ACT)
     tl.store(dg_ptr + row * stride_dg + cols, (do * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + row * stride_du + cols, (do * a).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + du_off + row * stride_du + cols, (do * a).to(du_ptr.dtype.element_ty), mask=mask)
     if STORE_H:  # glu_linear: the forward output again, for the down projection's weight gradient
         tl.store(h_ptr + row * stride_h + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------ custom ops
+# The ops take a packed (..., 2*I) gate+up tensor whole (``up`` None) and address its halves with an
+# element offset inside the kernel: no slice views reach the op, so torch.compile has none to copy.
 def _grid(rows: int, cols: int) -> tuple[int, int]:
     return (rows, triton.cdiv(cols, _BLOCK))
 
 
+def _operands(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """(gate rows, up rows, element offset of up in its rows tensor, rows, I) for packed or separate inputs."""
+    g2 = as_rows(gate)
+    if up is None:
+        cols = g2.shape[1] // 2
+        return g2, g2, cols, g2.shape[0], cols
+    return g2, as_rows(up), 0, g2.shape[0], g2.shape[1]
+
+
 @triton_op(f"{LIB}::glu_fwd", mutates_args={})
-def _glu_fwd(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
-    g2, u2 = as_rows(gate), as_rows(up)
-    rows, cols = g2.shape
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+def _glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
+    """glu(gate, up) (..., I); ``up`` None: ``gate`` is packed (..., 2*I)."""
+    g2, u2, u_off, rows, cols = _operands(gate, up)
+    out = torch.empty((*gate.shape[:-1], cols), dtype=gate.dtype, device=gate.device)
     if out.numel() > 0:
         o2 = out.view(rows, cols)
         wrap_triton(_glu_fwd_kernel)[_grid(rows, cols)](
-            g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), cols, ACT=act, BLOCK=_BLOCK, num_warps=4)
+            g2, u2, o2, u_off, g2.stride(0), u2.stride(0), o2.stride(0), cols, ACT=act, BLOCK=_BLOCK, num_warps=4)
     return out
 
 
-def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, packed: bool,
+def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, act: int,
                 h: torch.Tensor | None) -> torch.Tensor:
-    d2, g2, u2 = as_rows(dout), as_rows(gate), as_rows(up)
-    rows, cols = g2.shape
-    if packed:
+    """Gradient buffer: (rows, 2*I) packed when ``up`` is None, else (2, rows, I); writes h when given."""
+    g2, u2, u_off, rows, cols = _operands(gate, up)
+    d2 = as_rows(dout)
+    if up is None:
         buf = torch.empty(rows, 2 * cols, dtype=gate.dtype, device=gate.device)
-        dg, du = buf[:, :cols], buf[:, cols:]
+        du_off, stride_d = cols, 2 * cols
     else:
         buf = torch.empty(2, rows, cols, dtype=gate.dtype, device=gate.device)
-        dg, du = buf[0], buf[1]
-    h2 = dg if h is None else h.view(rows, cols)
+        du_off, stride_d = rows * cols, cols
+    h2 = buf if h is None else h.view(rows, cols)
     if rows * cols > 0:
         wrap_triton(_glu_bwd_kernel)[_grid(rows, cols)](
-            d2, g2, u2, dg, du, h2, d2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0),
-            h2.stride(0), cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=4)
+            d2, g2, u2, buf, buf, h2, u_off, du_off, d2.stride(0), g2.stride(0), u2.stride(0), stride_d, stride_d,
+            h2.stride(0) if h is not None else 0, cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=4)
     return buf
 
 
 @triton_op(f"{LIB}::glu_bwd", mutates_args={})
-def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int, packed: bool) -> torch.Tensor:
-    """Gradients of gate and up: one (rows, 2*I) buffer when ``packed``, else a (2, rows, I) buffer."""
-    return _launch_bwd(dout, gate, up, act, packed, None)
+def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
+    """Gradients of gate and up: one (rows, 2*I) buffer when ``up`` is None (packed), else (2, rows, I)."""
+    return _launch_bwd(dout, gate, up, act, None)
 
 
 @triton_op(f"{LIB}::glu_bwd_recompute", mutates_args={})
-def _glu_bwd_recompute(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed (rows, 2*I) gate/up gradient, the forward output glu(gate, up) recomputed (..., I))."""
-    h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    return _launch_bwd(dout, gate, up, act, True, h), h
+def _glu_bwd_recompute(dout: torch.Tensor, x: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed (rows, 2*I) gradient of the packed ``x``, the forward output glu(x) recomputed (..., I))."""
+    h = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+    return _launch_bwd(dout, x, None, act, h), h
 
 
 class GLUFunction(torch.autograd.Function):
@@ -136,19 +150,19 @@ class GLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
-        packed = up is None
-        gate, up = _split(x) if packed else (x, up)
-        ctx.save_for_backward(gate, up)
-        ctx.act, ctx.packed = act, packed
-        return _glu_fwd(gate, up, act)
+        if up is None:
+            _split(x)  # the even-width check
+        ctx.save_for_backward(x, up)
+        ctx.act = act
+        return _glu_fwd(x, up, act)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        buf = _glu_bwd(dout, gate, up, ctx.act, ctx.packed)
-        if ctx.packed:
-            return buf.view(*gate.shape[:-1], 2 * gate.shape[-1]), None, None
-        return buf[0].view(gate.shape), buf[1].view(up.shape), None
+        x, up = ctx.saved_tensors
+        buf = _glu_bwd(dout, x, up, ctx.act)
+        if up is None:
+            return buf.view(x.shape), None, None
+        return buf[0].view(x.shape), buf[1].view(up.shape), None
 
 
 class GLULinearFunction(torch.autograd.Function):
@@ -156,18 +170,16 @@ class GLULinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
-        gate, up = _split(x)
         ctx.save_for_backward(x, weight)
         ctx.act, ctx.has_bias = act, bias is not None
-        return F.linear(_glu_fwd(gate, up, act), weight, bias)
+        return F.linear(_glu_fwd(x, None, act), weight, bias)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         x, weight = ctx.saved_tensors
-        gate, up = _split(x)
         d2 = dout.reshape(-1, dout.shape[-1])
         dh = d2 @ weight  # (M, I)
-        dx, h = _glu_bwd_recompute(dh, gate, up, ctx.act)
+        dx, h = _glu_bwd_recompute(dh, x, ctx.act)
         dw = d2.t() @ h.view(-1, h.shape[-1])
         db = d2.sum(0) if ctx.has_bias else None
         return dx.view(x.shape), dw, db, None
