@@ -68,10 +68,10 @@ def _glu_fwd_kernel(g_ptr, u_ptr, o_ptr, u_off, stride_g, stride_u, stride_o, n_
 
 
 @triton.jit
-def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, u_off, du_off, stride_do, stride_g, stride_u,
-                    stride_dg, stride_du, stride_h, n_cols, ACT: tl.constexpr, STORE_H: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """Row r: dg, du of out = act(g) * u; u read at ``u_ptr + u_off``, du written at ``du_ptr + du_off``."""
+def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, d_ptr, h_ptr, u_off, du_off, stride_do, stride_g, stride_u,
+                    stride_d, stride_h, n_cols, ACT: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r: dg, du of out = act(g) * u; u read at ``u_ptr + u_off``; dg written at ``d_ptr``, du at
+    ``d_ptr + du_off`` (one output tensor, passed once: torch.compile clones each mutated argument)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -79,8 +79,8 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr, u_off, du_off, 
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + u_off + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     a, da = _activation(g, ACT)
-    tl.store(dg_ptr + row * stride_dg + cols, (do * u * da).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + du_off + row * stride_du + cols, (do * a).to(du_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_ptr + row * stride_d + cols, (do * u * da).to(d_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_ptr + du_off + row * stride_d + cols, (do * a).to(d_ptr.dtype.element_ty), mask=mask)
     if STORE_H:  # glu_linear: the forward output again, for the down projection's weight gradient
         tl.store(h_ptr + row * stride_h + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
@@ -124,11 +124,11 @@ def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None,
     else:
         buf = torch.empty(2, rows, cols, dtype=gate.dtype, device=gate.device)
         du_off, stride_d = rows * cols, cols
-    h2 = buf if h is None else h.view(rows, cols)
+    h2 = d2 if h is None else h.view(rows, cols)  # without h: a read-only placeholder, never stored to
     if rows * cols > 0:
         wrap_triton(_glu_bwd_kernel)[_grid(rows, cols)](
-            d2, g2, u2, buf, buf, h2, u_off, du_off, d2.stride(0), g2.stride(0), u2.stride(0), stride_d, stride_d,
-            h2.stride(0) if h is not None else 0, cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=4)
+            d2, g2, u2, buf, h2, u_off, du_off, d2.stride(0), g2.stride(0), u2.stride(0), stride_d,
+            h2.stride(0), cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=4)
     return buf
 
 
