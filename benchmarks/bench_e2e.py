@@ -23,6 +23,7 @@ GB = 1e9 bytes.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -64,6 +65,10 @@ MODELS: dict[str, dict] = {
 }
 
 
+#: Set in a worker from ``--flce-strategy``: the strategy ligermodels' loss head uses (None: the model's default).
+FLCE_STRATEGY: str | None = None
+
+
 # ------------------------------------------------------------------------------------------ flops
 def step_flops(model: str, batch: int, seq: int) -> float:
     """Flops of one training step: 6 x matmul parameters x tokens + causal attention (fwd + bwd)."""
@@ -103,9 +108,9 @@ def build(impl: str, model: str, activation_checkpointing: bool):
 
             apply_activation_checkpointing(m, "full")
         m.train()
-        fn = m.loss
+        fn = functools.partial(m.loss, strategy=FLCE_STRATEGY) if FLCE_STRATEGY else m.loss
         if impl == "ligermodels+compile":
-            fn = torch.compile(m.loss)
+            fn = torch.compile(fn)
         return fn, list(m.parameters())
 
     import transformers
@@ -234,6 +239,8 @@ def run_worker(impl: str, model: str, batch: int, args, profile: str | None = No
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.ac:
         cmd.append("--ac")
+    if args.flce_strategy:
+        cmd += ["--flce-strategy", args.flce_strategy]
     if profile:
         cmd += ["--profile-to", profile]
     t0 = time.time()
@@ -299,7 +306,7 @@ def merge(path: str, rows: list[dict], extra: dict) -> None:
 
     def key(r):
         return (r["impl"], r.get("variant"), r["model"], r["batch"], r.get("activation_checkpointing", False),
-                r.get("max_batch", False))
+                r.get("max_batch", False), r.get("flce_strategy"))
 
     new = {key(r) for r in rows}
     data["rows"] = [r for r in data["rows"] if key(r) not in new] + rows
@@ -323,12 +330,18 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--worker", nargs=3, metavar=("IMPL", "MODEL", "BATCH"), help=argparse.SUPPRESS)
+    ap.add_argument("--flce-strategy", choices=["tokens", "vocab"],
+                    help="ligermodels' loss-head strategy (kernels.fused_linear_cross_entropy); default: the model's")
     ap.add_argument("--profile-to", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:
+        global FLCE_STRATEGY
+        FLCE_STRATEGY = args.flce_strategy
         impl, model, batch = args.worker
         row = measure(impl, model, int(batch), args.seq, args.steps, args.warmup, args.ac, args.profile_to)
+        if FLCE_STRATEGY and impl.startswith("ligermodels"):
+            row["flce_strategy"] = FLCE_STRATEGY
         print(json.dumps(row), flush=True)
         return
 
@@ -346,6 +359,8 @@ def main() -> None:
                 if args.profile and impl.startswith("ligermodels"):
                     prof = os.path.join(args.out, f"e2e-profile-{impl.replace('+', '-')}-{model}-b{batch}.txt")
                 row = run_worker(impl, model, int(batch), args, prof)
+            if args.flce_strategy and impl.startswith("ligermodels"):
+                row.setdefault("flce_strategy", args.flce_strategy)
             print(summary(row), flush=True)
             merge(path, [row], {})
             gc.collect()
