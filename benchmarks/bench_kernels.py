@@ -2,7 +2,11 @@
 
 Run on a GPU:  python -m benchmarks.bench_kernels [--out DIR] [--only rms_norm rope] [--merge-from OLD.json]
 Writes ``kernels-<gpu>-<date>.json`` with the measured copy bandwidth and one row per
-(op, shape, impl, pass): time, bytes counted, GB/s and the fraction of copy bandwidth.
+(op, shape, impl, pass): ``ms`` = kernel time (the summed device time of the op's kernels, memcpys and
+memsets, host overhead excluded; ``timing: "cuda-kernels"``), ``wall_ms`` = wall time per call with the
+CPU launching it, ``launches`` = device events per call, bytes counted, and GB/s and the fraction of
+copy bandwidth from the kernel time. benchmarks/harness.py says exactly what is measured and why.
+Rows merged from older files (no ``timing`` key) carry wall time in ``ms``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
-    print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
+    print(f"copy bandwidth: {copy_gbs:.0f} GB/s (kernel time)")
     rows = []
     for fam in args.only:
         try:
@@ -42,7 +46,8 @@ def main() -> None:
                 print(f"{r['op']:>22} {r['shape']:>16} {r['impl']:>12} ERROR {r['error']}")
             else:
                 print(f"{r['op']:>22} {r['shape']:>16} {r['impl']:>12} {r['pass']} {r['ms']:8.3f} ms "
-                      f"{r['gbs']:7.0f} GB/s {100 * r['frac_copy_bw']:5.1f}%")
+                      f"{r['gbs']:7.0f} GB/s {100 * r['frac_copy_bw']:5.1f}%  wall {r['wall_ms']:8.3f} ms  "
+                      f"{r['launches']:g} launches")
     if args.merge_from:
         with open(args.merge_from) as f:
             old = json.load(f)
@@ -50,7 +55,8 @@ def main() -> None:
         rows += [{**r, "from_run": old["date"], "run_copy_gbs": old["copy_gbs"]}
                  for r in old["rows"] if r["op"] not in rerun]
     gpu = environment()["gpu"].replace(" ", "_")
-    path = write_results(f"kernels-{gpu}-{environment()['date']}", {"copy_gbs": copy_gbs, "rows": rows}, args.out)
+    path = write_results(f"kernels-{gpu}-{environment()['date']}",
+                         {"copy_gbs": copy_gbs, "timing": "cuda-kernels", "rows": rows}, args.out)
     print("wrote", path)
 
 

@@ -48,7 +48,13 @@ def _env(d: dict) -> str:
 
 
 def kernels_table(d: dict) -> str:
-    """Per op and pass: our share of copy bandwidth, and our speed relative to eager and torch.compile."""
+    """Per op and pass: our GB/s and share of copy bandwidth, torch.compile's share, our speed relative
+    to eager and torch.compile, and our wall time per call.
+
+    Rows with ``timing: "cuda-kernels"`` carry kernel time in ``ms`` (host overhead excluded; see
+    benchmarks/harness.py) and wall time in ``wall_ms``; rows of older runs (no ``timing``) carry wall
+    time in ``ms`` and are marked as such.
+    """
     by = defaultdict(dict)  # (op, shape, pass) -> impl -> row
     for r in d["rows"]:
         if "error" not in r:
@@ -58,21 +64,47 @@ def kernels_table(d: dict) -> str:
         ours = impls.get("ligermodels")
         if not ours:
             continue
-        agg[(op, pas)]["bw"].append(ours["frac_copy_bw"])
+        a = agg[(op, pas)]
+        kernel = ours.get("timing") == "cuda-kernels"
+        a["timing"].append("kernel" if kernel else "wall")
+        a["from_run"].append(ours.get("from_run") or d["date"])
+        a["gbs"].append(ours["gbs"])
+        a["bw"].append(ours["frac_copy_bw"])
+        a["wall"].append(ours["wall_ms"] if kernel else ours["ms"])
+        if "compile" in impls:
+            a["compile_bw"].append(impls["compile"]["frac_copy_bw"])
         for base in ("eager", "compile"):
             if base in impls and ours["ms"] > 0:
-                agg[(op, pas)][base].append(impls[base]["ms"] / ours["ms"])
+                a[base].append(impls[base]["ms"] / ours["ms"])
+    wall_only = {k for k, a in agg.items() if "kernel" not in a["timing"]}
+    all_wall = bool(agg) and len(wall_only) == len(agg)
+    if all_wall:
+        timing = ("Times are wall times (CUDA events around each call, the CPU launching every call: host "
+                  "overhead included; this run predates the kernel-time measurement), so bandwidth and ratios "
+                  "understate the GPU work at small shapes.")
+    else:
+        timing = ("Times are kernel times: the summed GPU duration of each call's kernels, memcpys and memsets "
+                  "after an L2 flush, host overhead excluded (what the op costs the GPU inside a training step, "
+                  "where the CPU runs ahead); the last column is our wall time per call with the CPU launching "
+                  "it (host overhead included).")
     lines = [f"Kernels, bf16, on {_env(d)}. Copy bandwidth measured in the same run: {d['copy_gbs']:.0f} GB/s. "
-             "Bandwidth counts the fewest bytes each op must move; speed-ups are time ratios (>1: ours faster); "
-             "min-max over the shapes in the JSON.", "",
-             "| op | pass | ours, % of copy bandwidth | vs eager | vs torch.compile |", "|---|---|---|---|---|"]
+             f"{timing} Bandwidth counts the fewest bytes each op must move; speed-ups are time ratios "
+             "(>1: ours faster); min-max over the shapes in the JSON.", "",
+             "| op | pass | ours, GB/s | ours, % of copy bandwidth | torch.compile, % of copy bandwidth | vs eager "
+             "| vs torch.compile | ours, wall ms |", "|---|---|---|---|---|---|---|---|"]
 
     def rng(v, fmt):
         return "n/a" if not v else (fmt.format(min(v)) + ("" if len(v) == 1 else " - " + fmt.format(max(v))))
 
     for (op, pas), a in sorted(agg.items()):
-        lines.append(f"| {op} | {pas} | {rng([100 * x for x in a['bw']], '{:.0f}%')} | {rng(a['eager'], '{:.2f}x')} "
-                     f"| {rng(a['compile'], '{:.2f}x')} |")
+        mark = " \\*" if (op, pas) in wall_only and not all_wall else ""
+        lines.append(f"| {op}{mark} | {pas} | {rng(a['gbs'], '{:.0f}')} | {rng([100 * x for x in a['bw']], '{:.0f}%')} "
+                     f"| {rng([100 * x for x in a['compile_bw']], '{:.0f}%')} | {rng(a['eager'], '{:.2f}x')} "
+                     f"| {rng(a['compile'], '{:.2f}x')} | {rng(a['wall'], '{:.3f}')} |")
+    if wall_only and not all_wall:
+        runs = sorted({r for k in wall_only for r in agg[k]["from_run"]})
+        lines += ["", f"\\* From an earlier run ({', '.join(runs)}) timed as wall time (host overhead included): "
+                  "its GB/s and ratios are not comparable with the kernel-time rows."]
     return "\n".join(lines)
 
 

@@ -24,9 +24,12 @@ Backward, with ``n = x * rstd`` and ``g = dy * (offset + w)`` (roundings treated
     dx = rstd * (g - n * mean(g * n, -1))        (+ dh for the fused op; dresidual = dx)
     dw = sum over rows of dy * n                 (accumulated in fp32)
 
-The weight gradient is a reduction over all rows: a fixed number of programs (a few per SM) each
-loop over a contiguous range of rows, keep a partial ``dw`` in fp32 registers, and write one fp32
-row of a (programs, H) buffer, which torch sums and casts to the weight's dtype.
+The weight gradient is a reduction over all rows: a fixed number of programs (``_BWD_PROGRAMS_PER_SM``
+per SM, 2 by default) each loop over a contiguous range of rows, keep a partial ``dw`` in fp32
+registers, and write one fp32 row of a (programs, H) buffer; a second small kernel sums that buffer
+over its rows in fp32 (columns split over programs) and writes ``dw`` in the weight's dtype, rounded
+once. The backward is two launches whatever the shape. For GPU tuning sweeps, the environment
+variable ``LIGER_RMS_BWD_PPS`` (a positive integer, read at import) overrides the programs per SM.
 
 Bytes moved (the fewest the op must move), for M rows of H elements of s bytes (weight, dw and the
 4*M bytes of rstd are small next to these):
@@ -39,6 +42,7 @@ Bytes moved (the fewest the op must move), for M rows of H elements of s bytes (
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -49,6 +53,26 @@ from kernels._common import INTERPRET, LIB, as_rows, check_same_device, compute_
 
 LLAMA, GEMMA = 0, 1
 _CASTINGS = {"llama": LLAMA, "gemma": GEMMA}
+
+
+def _env_positive_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return n
+
+
+#: Programs per SM of the backward kernel (each owns one fp32 row of partial dw). Which count is
+#: fastest is for a GPU sweep: ``LIGER_RMS_BWD_PPS`` overrides it at import. (With a (BLOCK_M, BLOCK_N)
+#: fp32 dw accumulator the kernel took 190-241 registers a thread at 8 warps, one program per SM; the
+#: accumulator is now one row, summed over the tile's rows each iteration.)
+_BWD_PROGRAMS_PER_SM: int = _env_positive_int("LIGER_RMS_BWD_PPS", 2)
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -91,7 +115,7 @@ def _rms_norm_bwd_kernel(dy_ptr, dh_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr,
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)  # one row: a (BLOCK_M, BLOCK_N) accumulator costs registers
     first = pid.to(tl.int64) * rows_per_program
     for i in range(0, rows_per_program, BLOCK_M):
         rows = first + i + tl.arange(0, BLOCK_M)
@@ -107,8 +131,23 @@ def _rms_norm_bwd_kernel(dy_ptr, dh_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr,
         if HAS_DH:
             dx += tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * n
-    tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, axis=0), mask=col_mask)
+        dw += tl.sum(dy * n, axis=0)
+    tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_dw_kernel(partial_ptr, dw_ptr, n_partial, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dw[cols] = sum over the n_partial rows of the fp32 (n_partial, n_cols) partial buffer, for the
+    BLOCK_N columns of this program, accumulated in fp32 (BLOCK_P rows at a time) and rounded once to
+    dw's dtype. With n_partial = 0 it writes zeros."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for i in range(0, n_partial, BLOCK_P):
+        rows = i + tl.arange(0, BLOCK_P)
+        mask = (rows < n_partial)[:, None] & col_mask[None, :]
+        acc += tl.load(partial_ptr + rows[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(dw_ptr + cols, tl.sum(acc, axis=0).to(dw_ptr.dtype.element_ty), mask=col_mask)
 
 
 # ------------------------------------------------------------------------------------ launch sizing
@@ -134,14 +173,23 @@ def _bwd_tiling(cols: int) -> tuple[int, int, int]:
 
 
 def _bwd_programs(device: torch.device, rows: int, block_m: int, block_n: int) -> int:
-    """Programs of the backward kernel: two per SM, each looping over a contiguous range of rows, so
-    the fp32 partial-dw buffer (programs, H) stays small next to the rows it summarises.
+    """Programs of the backward kernel: ``_BWD_PROGRAMS_PER_SM`` per SM, each looping over a contiguous
+    range of rows, so the fp32 partial-dw buffer (programs, H) stays small next to the rows it summarises.
     The interpreter runs programs one after the other, so there a handful suffice."""
     tiles = triton.cdiv(rows, block_m)
     if device.type != "cuda" or INTERPRET:
         return max(1, min(tiles, 4))
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(tiles, 2 * sms))
+    return max(1, min(tiles, _BWD_PROGRAMS_PER_SM * sms))
+
+
+def _dw_tiling(partials: int, cols: int) -> tuple[int, int, int]:
+    """(BLOCK_P, BLOCK_N, num_warps) of the partial-dw sum: 64 columns (256 contiguous bytes of a
+    partial row) per program, so H = 2048-8192 gives 32-128 programs, and up to 64 partial rows per
+    iteration (one to five iterations at 2 programs per SM)."""
+    block_n = min(64, row_block(cols))
+    block_p = min(64, triton.next_power_of_2(max(partials, 1)))
+    return block_p, block_n, 4 if block_p * block_n >= 2048 else 1
 
 
 def _launch_fwd(x2, r2, weight, y2, h2, rstd, eps: float, offset: float, casting: int, has_residual: bool) -> None:
@@ -195,14 +243,19 @@ def _rms_norm_bwd(dy: torch.Tensor, dh: torch.Tensor, x: torch.Tensor, weight: t
     programs = _bwd_programs(x.device, rows, block_m, block_n) if rows > 0 else 0
     rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_m) * block_m if programs else 0
     programs = triton.cdiv(rows, rows_per_program) if programs else 0
+    if rows * cols == 0:
+        return dx, torch.zeros(cols, dtype=weight.dtype, device=x.device)
     partial = torch.empty(programs, cols, dtype=torch.float32, device=x.device)  # every row written
-    if rows * cols > 0:
-        dx2 = dx.view(rows, cols)
-        wrap_triton(_rms_norm_bwd_kernel)[(programs,)](
-            dy2, dh2, x2, weight.contiguous(), rstd, dx2, partial, dy2.stride(0), dh2.stride(0), x2.stride(0),
-            dx2.stride(0), rows, cols, rows_per_program, offset,
-            HAS_DH=has_dh, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
-    return dx, partial.sum(0).to(weight.dtype)
+    dx2 = dx.view(rows, cols)
+    wrap_triton(_rms_norm_bwd_kernel)[(programs,)](
+        dy2, dh2, x2, weight.contiguous(), rstd, dx2, partial, dy2.stride(0), dh2.stride(0), x2.stride(0),
+        dx2.stride(0), rows, cols, rows_per_program, offset,
+        HAS_DH=has_dh, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    dw = torch.empty(cols, dtype=weight.dtype, device=x.device)
+    block_p, block_n, warps = _dw_tiling(programs, cols)
+    wrap_triton(_rms_norm_dw_kernel)[(triton.cdiv(cols, block_n),)](
+        partial, dw, programs, cols, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=warps)
+    return dx, dw
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -19,7 +19,8 @@ from tests.utils import DEVICE, assert_rel, randn
 def test_decoder_layer_equals_its_modules_composed(bias, first):
     torch.manual_seed(0)
     c = DecoderConfig(vocab_size=50, hidden_size=96, intermediate_size=160, num_layers=1, num_heads=6,
-                      num_kv_heads=2, head_dim=32, qkv_bias=bias, mlp_bias=bias, rope=RopeConfig(theta=10000.0, head_dim=32))
+                      num_kv_heads=2, head_dim=32, qkv_bias=bias, mlp_bias=bias,
+                      rope=RopeConfig(theta=10000.0, head_dim=32))
     layer = DecoderLayer(c).to(DEVICE)
     init_linear_(layer, 0.2)
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import triton
 
 from kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
 from tests.utils import DEVICE, assert_rel, assert_triton_runs, assert_unchanged, randn, rel_err, snapshot
@@ -286,3 +287,56 @@ def test_rms_norm_rejects_bad_casting_and_shapes():
         fused_add_rms_norm(x, x.bfloat16(), w)
     with pytest.raises(ValueError, match="weight"):
         fused_add_rms_norm(x, x, torch.ones(7, device=DEVICE))
+
+
+def test_weight_gradient_sum_kernel_over_many_partial_rows():
+    """The dw kernel sums a (programs, H) fp32 partial buffer over rows in fp32 and rounds once to the
+    weight's dtype: several BLOCK_P chunks with a masked tail, a masked last column block."""
+    import importlib
+
+    mod = importlib.import_module("kernels.rms_norm")
+    n_partial, H = 150, 777
+    partial = randn(n_partial, H, scale=3.0)
+    assert_triton_runs(partial)
+    block_p, block_n, warps = mod._dw_tiling(n_partial, H)
+    assert block_p < n_partial and H % block_n != 0 and n_partial % block_p != 0
+    want = partial.double().sum(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        dw = torch.full((H,), float("nan"), dtype=dtype, device=DEVICE)
+        mod._rms_norm_dw_kernel[(triton.cdiv(H, block_n),)](partial, dw, n_partial, H, BLOCK_P=block_p,
+                                                             BLOCK_N=block_n, num_warps=warps)
+        assert_rel(dw, want, torch.float32, f"dw {dtype}", bound=1e-6 if dtype == torch.float32 else 4e-3)
+        if dtype == torch.bfloat16:  # one rounding of the fp32 sum: within half a bf16 ulp of the fp64 sum
+            assert ((dw.double() - want).abs() <= want.abs() * 2.0**-8 * 1.001 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_with_many_programs_matches_float64(dtype, monkeypatch):
+    """The backward grid as on a GPU (dozens of programs, so dozens of partial-dw rows), here forced."""
+    import importlib
+
+    mod = importlib.import_module("kernels.rms_norm")
+    monkeypatch.setattr(mod, "_bwd_programs", lambda device, rows, block_m, block_n: triton.cdiv(rows, block_m))
+    x, r, w = _inputs((1100, 96), dtype, residual=True)  # 96 columns: 16 rows a program -> 69 programs
+    dy, dh = randn(1100, 96, dtype=dtype), randn(1100, 96, dtype=dtype)
+    assert_triton_runs(x)
+    y, h = fused_add_rms_norm(x, r, w, EPS, 1.0, "gemma")
+    torch.autograd.backward([y, h], [dy, dh])
+    ref_y, ref_h, (xd, rd, wd) = _float64(x, r, w, 1.0)
+    torch.autograd.backward([ref_y, ref_h], [dy.double(), dh.double()])
+    assert_rel(x.grad, xd.grad, dtype, "dx")
+    assert_rel(w.grad, wd.grad, dtype, "dw")
+
+
+def test_backward_programs_per_sm_env_override(monkeypatch):
+    import importlib
+
+    mod = importlib.import_module("kernels.rms_norm")
+    assert mod._BWD_PROGRAMS_PER_SM >= 1
+    for value, want in [("", 2), (" 3 ", 3), ("1", 1)]:
+        monkeypatch.setenv("LIGER_RMS_BWD_PPS", value)
+        assert mod._env_positive_int("LIGER_RMS_BWD_PPS", 2) == want
+    for bad in ("0", "-1", "two", "1.5"):
+        monkeypatch.setenv("LIGER_RMS_BWD_PPS", bad)
+        with pytest.raises(ValueError, match="LIGER_RMS_BWD_PPS"):
+            mod._env_positive_int("LIGER_RMS_BWD_PPS", 2)
