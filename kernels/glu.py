@@ -31,7 +31,8 @@ from kernels._common import LIB, as_rows, compute_dtype, use_triton
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU_MODES = {"tanh": GELU_TANH, "none": GELU_ERF}
-_BLOCK = 1024  # 4 warps x 32 threads x 8 elements: 16-byte loads in bf16
+_BLOCK = 1024  # elements of one row per program
+_WARPS = 4  # 4 warps x 32 threads x 8 elements = 1024: 16-byte loads in bf16
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -109,7 +110,7 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Ten
     if out.numel() > 0:
         o2 = out.view(rows, cols)
         wrap_triton(_glu_fwd_kernel)[_grid(rows, cols)](
-            g2, u2, o2, u_off, g2.stride(0), u2.stride(0), o2.stride(0), cols, ACT=act, BLOCK=_BLOCK, num_warps=4)
+            g2, u2, o2, u_off, g2.stride(0), u2.stride(0), o2.stride(0), cols, ACT=act, BLOCK=_BLOCK, num_warps=_WARPS)
     return out
 
 
@@ -128,7 +129,7 @@ def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None,
     if rows * cols > 0:
         wrap_triton(_glu_bwd_kernel)[_grid(rows, cols)](
             d2, g2, u2, buf, h2, u_off, du_off, d2.stride(0), g2.stride(0), u2.stride(0), stride_d,
-            h2.stride(0), cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=4)
+            h2.stride(0), cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=_WARPS)
     return buf
 
 

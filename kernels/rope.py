@@ -44,6 +44,7 @@ from torch.library import triton_op, wrap_triton
 from kernels._common import LIB, check_same_device, compute_dtype, use_triton
 
 _TILE = 2048  # elements per half-tile of one program: 32 heads x 64 (head_dim 128)
+_WARPS = 4
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -124,7 +125,7 @@ def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         sc_b, sc_s, ss_b, ss_s, D // 2,
         BACKWARD=backward, BLOCK_HQ=_head_block(int(Hq), block_d), BLOCK_HK=_head_block(int(Hkv), block_d),
-        BLOCK_D=block_d, num_warps=4)
+        BLOCK_D=block_d, num_warps=_WARPS)
 
 
 def _rotate_new(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
