@@ -27,12 +27,14 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import LIB, as_rows, compute_dtype, use_triton
+from kernels._common import LIB, as_rows, compute_dtype, row_block, use_triton
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU_MODES = {"tanh": GELU_TANH, "none": GELU_ERF}
-_BLOCK = 1024  # elements of one row per program
-_WARPS = 4  # 4 warps x 32 threads x 8 elements = 1024: 16-byte loads in bf16
+#: Elements of one row per program, and warps: 16 elements a thread. Measured on an H100 (kernel time,
+#: swiglu bf16): 1024 x 4 warps ran at 92-96% of copy bandwidth, 8192 x 16 at 95-100%.
+_BLOCK = 8192
+_WARPS = 16
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -89,8 +91,14 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, d_ptr, h_ptr, u_off, du_off, stride_do
 # ------------------------------------------------------------------------------------ custom ops
 # The ops take a packed (..., 2*I) gate+up tensor whole (``up`` None) and address its halves with an
 # element offset inside the kernel: no slice views reach the op, so torch.compile has none to copy.
+def _tile(cols: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of ``cols`` elements: up to ``_BLOCK``, 16 elements per thread."""
+    block = min(_BLOCK, row_block(cols))
+    return block, max(1, min(_WARPS, block // 512))
+
+
 def _grid(rows: int, cols: int) -> tuple[int, int]:
-    return (rows, triton.cdiv(cols, _BLOCK))
+    return (rows, triton.cdiv(cols, _tile(cols)[0]))
 
 
 def _operands(gate: torch.Tensor, up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
@@ -109,8 +117,9 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Ten
     out = torch.empty((*gate.shape[:-1], cols), dtype=gate.dtype, device=gate.device)
     if out.numel() > 0:
         o2 = out.view(rows, cols)
+        block, warps = _tile(cols)
         wrap_triton(_glu_fwd_kernel)[_grid(rows, cols)](
-            g2, u2, o2, u_off, g2.stride(0), u2.stride(0), o2.stride(0), cols, ACT=act, BLOCK=_BLOCK, num_warps=_WARPS)
+            g2, u2, o2, u_off, g2.stride(0), u2.stride(0), o2.stride(0), cols, ACT=act, BLOCK=block, num_warps=warps)
     return out
 
 
@@ -127,9 +136,10 @@ def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None,
         du_off, stride_d = rows * cols, cols
     h2 = d2 if h is None else h.view(rows, cols)  # without h: a read-only placeholder, never stored to
     if rows * cols > 0:
+        block, warps = _tile(cols)
         wrap_triton(_glu_bwd_kernel)[_grid(rows, cols)](
             d2, g2, u2, buf, h2, u_off, du_off, d2.stride(0), g2.stride(0), u2.stride(0), stride_d,
-            h2.stride(0), cols, ACT=act, STORE_H=h is not None, BLOCK=_BLOCK, num_warps=_WARPS)
+            h2.stride(0), cols, ACT=act, STORE_H=h is not None, BLOCK=block, num_warps=warps)
     return buf
 
 

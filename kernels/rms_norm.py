@@ -25,7 +25,7 @@ Backward, with ``n = x * rstd`` and ``g = dy * (offset + w)`` (roundings treated
     dw = sum over rows of dy * n                 (accumulated in fp32)
 
 The weight gradient is a reduction over all rows: a fixed number of programs (``_BWD_PROGRAMS_PER_SM``
-per SM, 2 by default) each loop over a contiguous range of rows, keep a partial ``dw`` in fp32
+per SM, 1 by default) each loop over a contiguous range of rows, keep a partial ``dw`` in fp32
 registers, and write one fp32 row of a (programs, H) buffer; a second small kernel sums that buffer
 over its rows in fp32 (columns split over programs) and writes ``dw`` in the weight's dtype, rounded
 once. The backward is two launches whatever the shape. For GPU tuning sweeps, the environment
@@ -68,11 +68,13 @@ def _env_positive_int(name: str, default: int) -> int:
     return n
 
 
-#: Programs per SM of the backward kernel (each owns one fp32 row of partial dw). Which count is
-#: fastest is for a GPU sweep: ``LIGER_RMS_BWD_PPS`` overrides it at import. (With a (BLOCK_M, BLOCK_N)
+#: Programs per SM of the backward kernel (each owns one fp32 row of partial dw); ``LIGER_RMS_BWD_PPS``
+#: overrides it at import. Measured on an H100 (kernel time, bf16, 4096-32768 rows of 2048-8192): 1 per
+#: SM was fastest at every shape (57-81% of copy bandwidth), 2 per SM 1-6 points slower, 8 per SM
+#: 15-24 points slower. (With a (BLOCK_M, BLOCK_N)
 #: fp32 dw accumulator the kernel took 190-241 registers a thread at 8 warps, one program per SM; the
 #: accumulator is now one row, summed over the tile's rows each iteration.)
-_BWD_PROGRAMS_PER_SM: int = _env_positive_int("LIGER_RMS_BWD_PPS", 2)
+_BWD_PROGRAMS_PER_SM: int = _env_positive_int("LIGER_RMS_BWD_PPS", 1)
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -186,7 +188,7 @@ def _bwd_programs(device: torch.device, rows: int, block_m: int, block_n: int) -
 def _dw_tiling(partials: int, cols: int) -> tuple[int, int, int]:
     """(BLOCK_P, BLOCK_N, num_warps) of the partial-dw sum: 64 columns (256 contiguous bytes of a
     partial row) per program, so H = 2048-8192 gives 32-128 programs, and up to 64 partial rows per
-    iteration (one to five iterations at 2 programs per SM)."""
+    iteration (one to three iterations at 1 program per SM)."""
     block_n = min(64, row_block(cols))
     block_p = min(64, triton.next_power_of_2(max(partials, 1)))
     return block_p, block_n, 4 if block_p * block_n >= 2048 else 1
