@@ -243,6 +243,9 @@ _SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name)}
 if hasattr(torch.ops, "higher_order") and hasattr(torch.ops.higher_order, "flex_attention"):
     _SAVED_OPS.add(torch.ops.higher_order.flex_attention)
+# The rotary embedding rotates the saved q/k/v projection output in place, so the cached output
+# already holds the rotated values: "saving" the in-place op means not running it a second time.
+_SAVED_OPS.add(torch.ops.ligermodels.rope_qkv_.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
