@@ -1,7 +1,7 @@
 """Fused linear cross-entropy benchmark: forward+backward time and peak extra memory.
 
 Run on a GPU:  python -m benchmarks.bench_flce [--tokens 16384] [--hidden 4096] [--vocab 128256 152064]
-                                               [--budgets-gib 2] [--out DIR]
+                                               [--budgets-gib 2] [--vocab-budgets-mib 512] [--out DIR]
 
 For each vocabulary, bf16 hidden (N, H) and LM head (V, H), 10% of the targets ignored, times
 ``loss = f(hidden, weight, target); loss.backward()`` (median of CUDA-event timings, gradients reset
@@ -9,8 +9,11 @@ between runs) and measures its peak extra memory: ``torch.cuda.max_memory_alloca
 forward+backward, minus what was allocated before it (inputs, parameters) and minus the gradients
 it leaves (hidden.grad, weight.grad). Implementations, one after another in this process:
 
-* ``ligermodels``: :func:`kernels.cross_entropy.fused_linear_cross_entropy` (default chunk budget;
-  ``--budgets-gib`` adds rows with other chunk budgets, to tune ``FLCE_CHUNK_BUDGET_BYTES``);
+* ``ligermodels``: :func:`kernels.cross_entropy.fused_linear_cross_entropy` (strategy "tokens", default
+  chunk budget; ``--budgets-gib`` adds rows with other chunk budgets, to tune ``FLCE_CHUNK_BUDGET_BYTES``);
+* ``ligermodels-vocab``: the same with ``strategy="vocab"`` (vocabulary windows, 4 GEMMs, no (V, H) fp32
+  accumulator; default window budget; ``--vocab-budgets-mib`` adds rows with other window budgets, to
+  tune ``FLCE_VOCAB_BUDGET_BYTES``);
 * ``eager``: ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` (the Hugging Face recipe);
 * ``compile``: the same under ``torch.compile``;
 * ``liger`` / ``liger-fp32acc``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (default, and with
@@ -18,7 +21,8 @@ it leaves (hidden.grad, weight.grad). Implementations, one after another in this
 
 The matmul floor is ``6*N*H*V / rate`` with ``rate`` the measured dense bf16 matmul rate
 (:func:`benchmarks.harness.matmul_tflops`); the targets are ours/floor <= 1.15, faster than every
-baseline, and peak extra memory no higher than Liger's. Writes ``flce-<gpu>-<date>.json``.
+baseline, and peak extra memory no higher than Liger's ("tokens"); for "vocab", about 1.33x the
+floor (one more GEMM) and peak extra memory below Liger's. Writes ``flce-<gpu>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from benchmarks.harness import bench_ms, environment, matmul_tflops, write_resul
 ce = importlib.import_module("kernels.cross_entropy")  # the module (kernels.cross_entropy is also a function)
 
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 def _inputs(n: int, h: int, v: int, dtype=torch.bfloat16, seed: int = 0):
@@ -53,6 +58,7 @@ def _hf_loss(hidden, weight, target):
 def _impls(include_liger: bool, notes: list[str]) -> dict:
     impls = {
         "ligermodels": lambda h, w, t: ce.fused_linear_cross_entropy(h, w, t),
+        "ligermodels-vocab": lambda h, w, t: ce.fused_linear_cross_entropy(h, w, t, strategy="vocab"),
         "eager": _hf_loss,
         "compile": torch.compile(_hf_loss),
     }
@@ -129,6 +135,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, nargs="*", default=[128256, 152064])
     ap.add_argument("--budgets-gib", type=float, nargs="*", default=[2.0],
                     help="extra ligermodels rows with these chunk budgets (GiB)")
+    ap.add_argument("--vocab-budgets-mib", type=float, nargs="*", default=[512.0],
+                    help="extra ligermodels-vocab rows with these window budgets (MiB)")
     ap.add_argument("--no-liger", action="store_true")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args()
@@ -141,11 +149,13 @@ def main() -> None:
     rows = []
     for v in args.vocab:
         floor_ms = 6 * n * h * v / (rate * 1e9)
-        plan = ce.flce_chunk_plan(n, h, v, torch.bfloat16)
-        ours_info = {"chunk": plan.chunk_size, "n_chunks": plan.n_chunks,
-                     "predicted_extra_gb": round(plan.extra_bytes / 1e9, 3)}
+        ours_info = {}
+        for strategy, name in (("tokens", "ligermodels"), ("vocab", "ligermodels-vocab")):
+            plan = ce.flce_chunk_plan(n, h, v, torch.bfloat16, strategy=strategy)
+            ours_info[name] = {"strategy": strategy, "chunk": plan.chunk_size, "n_chunks": plan.n_chunks,
+                               "predicted_extra_gb": round(plan.extra_bytes / 1e9, 3)}
         for name, fn in impls.items():
-            rows.append(_measure(name, fn, n, h, v, floor_ms, ours_info if name == "ligermodels" else None))
+            rows.append(_measure(name, fn, n, h, v, floor_ms, ours_info.get(name)))
         default_budget = ce.FLCE_CHUNK_BUDGET_BYTES
         for gib in args.budgets_gib:
             ce.FLCE_CHUNK_BUDGET_BYTES = int(gib * GIB)
@@ -156,27 +166,39 @@ def main() -> None:
                 rows.append(_measure(f"ligermodels-{gib:g}GiB", impls["ligermodels"], n, h, v, floor_ms, info))
             finally:
                 ce.FLCE_CHUNK_BUDGET_BYTES = default_budget
+        default_vocab_budget = ce.FLCE_VOCAB_BUDGET_BYTES
+        for mib in args.vocab_budgets_mib:
+            ce.FLCE_VOCAB_BUDGET_BYTES = int(mib * MIB)
+            try:
+                plan = ce.flce_chunk_plan(n, h, v, torch.bfloat16, strategy="vocab")
+                info = {"strategy": "vocab", "chunk": plan.chunk_size, "n_chunks": plan.n_chunks,
+                        "predicted_extra_gb": round(plan.extra_bytes / 1e9, 3), "budget_mib": mib}
+                rows.append(_measure(f"ligermodels-vocab-{mib:g}MiB", impls["ligermodels-vocab"], n, h, v,
+                                     floor_ms, info))
+            finally:
+                ce.FLCE_VOCAB_BUDGET_BYTES = default_vocab_budget
 
     checks = {}
     for v in args.vocab:
         by = {r["impl"]: r for r in rows if r["V"] == v and "ms" in r}
-        ours = by.get("ligermodels")
-        if ours is None:
-            continue
         baselines = [k for k in ("eager", "compile", "liger", "liger-fp32acc") if k in by]
-        checks[str(v)] = {
-            "ratio_to_floor_le_1.15": ours["ratio_to_floor"] <= 1.15,
-            "faster_than": {k: ours["ms"] < by[k]["ms"] for k in baselines},
-            "peak_le_liger": ({k: ours["peak_extra_gb"] <= by[k]["peak_extra_gb"]
-                               for k in ("liger", "liger-fp32acc") if k in by} or None),
-        }
+        for name, max_ratio in (("ligermodels", 1.15), ("ligermodels-vocab", 1.40)):
+            ours = by.get(name)
+            if ours is None:
+                continue
+            checks.setdefault(str(v), {})[name] = {
+                f"ratio_to_floor_le_{max_ratio}": ours["ratio_to_floor"] <= max_ratio,
+                "faster_than": {k: ours["ms"] < by[k]["ms"] for k in baselines},
+                "peak_le_liger": ({k: ours["peak_extra_gb"] <= by[k]["peak_extra_gb"]
+                                   for k in ("liger", "liger-fp32acc") if k in by} or None),
+            }
 
-    print(f"{'impl':>22} {'V':>7} {'ms':>9} {'floor':>8} {'ratio':>6} {'peak+GB':>8}")
+    print(f"{'impl':>26} {'V':>7} {'ms':>9} {'floor':>8} {'ratio':>6} {'peak+GB':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['impl']:>22} {r['V']:>7} ERROR {r['error']}")
+            print(f"{r['impl']:>26} {r['V']:>7} ERROR {r['error']}")
         else:
-            print(f"{r['impl']:>22} {r['V']:>7} {r['ms']:9.2f} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.3f} "
+            print(f"{r['impl']:>26} {r['V']:>7} {r['ms']:9.2f} {r['floor_ms']:8.2f} {r['ratio_to_floor']:6.3f} "
                   f"{r['peak_extra_gb']:8.3f}")
     for note in notes:
         print("note:", note)

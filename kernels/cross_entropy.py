@@ -27,22 +27,42 @@ Design (no host-device synchronisation anywhere, forward or backward):
   the row again and writes ``d logits`` scaled by the upstream gradient, which it reads through a
   pointer (stride 0 for the 0-dim gradient of "mean"/"sum", per token for "none"). Bytes: forward
   N*V*s, backward 2*N*V*s -- the fewest possible for an unfused loss.
-* ``fused_linear_cross_entropy``, "mean"/"sum": one pass over token chunks does everything in the
-  forward. Per chunk: ``logits = h @ W.T (+ b)`` into a reused (C, V) buffer; the CE kernel computes
-  the loss and writes ``d loss / d logits`` (already divided by the token count, read from device)
-  back into that same buffer; then ``dh[chunk] = dlogits @ W`` and ``dW += dlogits.T @ h`` with
-  **fp32 accumulation** (``torch.addmm(..., out_dtype=float32)`` into an fp32 (V, H) buffer on CUDA;
-  bf16 accumulation over many chunks is a known divergence cause), ``db += dlogits.sum(0)`` in fp32.
-  Backward only multiplies these by the incoming 0-dim gradient, on the device, in one Triton pass
-  that also casts the fp32 accumulators to the parameter dtype. No ``.item()``, no ``torch.equal``.
-* "none": the upstream gradient is per token, so the forward computes loss and ``lse`` only and the
-  backward recomputes the chunk logits and runs the same loop with the per-token gradient.
-* Chunk size: the largest C (a multiple of 256 when possible, balanced over the chunks) whose (C, V)
-  logits buffer fits ``FLCE_CHUNK_BUDGET_BYTES`` (1 GiB by default: C = 3328 at V = 152064 in bf16).
-  See :func:`flce_chunk_plan` for the predicted extra memory, including the fp32 weight-gradient
-  accumulator (4*V*H bytes), which does not depend on N.
+* ``fused_linear_cross_entropy`` has two strategies (``strategy=``), both with fp32 accumulation of
+  every gradient and no host sync:
 
-torch.compile: the kernel launchers are ``torch.library.triton_op`` ops; the FLCE chunk loop is a
+  - "tokens" (default; 3 GEMMs, the fastest): chunks over the TOKENS. "mean"/"sum": one pass in the
+    forward does everything. Per chunk: ``logits = h @ W.T (+ b)`` into a reused (C, V) buffer; the
+    CE kernel computes the loss and writes ``d loss / d logits`` (already divided by the token
+    count, read from device) back into that same buffer; then ``dh[chunk] = dlogits @ W`` and
+    ``dW += dlogits.T @ h`` with **fp32 accumulation** (``torch.addmm(..., out_dtype=float32)`` into
+    an fp32 (V, H) buffer on CUDA; bf16 accumulation over many chunks is a known divergence cause),
+    ``db += dlogits.sum(0)`` in fp32. Backward only multiplies these by the incoming 0-dim gradient,
+    on the device, in one Triton pass that also casts the fp32 accumulators to the parameter dtype.
+    "none": the upstream gradient is per token, so the forward computes loss and ``lse`` only and
+    the backward recomputes the chunk logits and runs the same loop with the per-token gradient.
+    Chunk size: the largest C (a multiple of 256 when possible, balanced over the chunks) whose
+    (C, V) buffer fits ``FLCE_CHUNK_BUDGET_BYTES`` (1 GiB by default: C = 3328 at V = 152064 in
+    bf16). Extra memory ~ chunk buffer + 4*V*H (the fp32 dW accumulator, independent of N; 2.5 GB
+    at V = 152064, H = 4096) + N*H*s (dh held from forward to backward for "mean"/"sum").
+  - "vocab" (4 GEMMs, about 1.33x the matmul floor; least memory when 4*V*H is large against
+    4*N*H): windows over the VOCABULARY, every reduction. Forward: per window [v0, v1) of Vc
+    columns, ``logits = h @ W[v0:v1].T (+ b)`` into a reused (N, Vc) buffer, and
+    ``_ce_window_kernel`` folds it into per-token fp32 running state (online max, sum-exp, row sum
+    of z, the target's z when it falls in the window); the last window yields loss and ``lse``.
+    Backward: per window, recompute the logits, ``_ce_kernel`` (BWD, with the window's column
+    offset and the full V) writes dlogits in place, then ``dW[v0:v1] = dlogits.T @ h`` straight into
+    the weight gradient (one GEMM over all N tokens, fp32 accumulation inside cuBLAS, one rounding:
+    no (V, H) buffer), ``db[v0:v1] = dlogits.sum(0)`` in fp32, ``dh += dlogits @ W[v0:v1]`` into an
+    fp32 (N, H) accumulator cast once at the end. Window: the largest multiple of 256 columns whose
+    (N, Vc) buffer fits ``FLCE_VOCAB_BUDGET_BYTES`` (256 MiB by default: Vc = 8192 at N = 16384 in
+    bf16), balanced over the windows. Extra memory ~ window buffer + 4*N*H (+ 24*N).
+
+  Pick "tokens" for speed, or when N*H is large against V*H (long sequences, small vocabularies);
+  "vocab" when memory is tight and V*H is large (e.g. V = 256000, H = 2048 at N = 8192: 0.33 GB
+  instead of 3.2 GB extra). :func:`flce_chunk_plan` predicts the extra bytes of both.
+
+torch.compile: the kernel launchers are ``torch.library.triton_op`` ops; each FLCE loop (tokens:
+``flce_fwd``/``flce_bwd``; vocab: ``flce_vocab_fwd``/``flce_vocab_bwd``) is a
 ``torch.library.custom_op`` with a fake (meta) implementation, so Dynamo traces one opaque op per
 direction (no graph break, no specialisation on the number of chunks). Inputs are never modified.
 """
@@ -60,6 +80,7 @@ from torch.library import triton_op, wrap_triton
 from kernels._common import INTERPRET, LIB, compute_dtype, row_block, row_warps, use_triton
 
 _REDUCTIONS = ("mean", "sum", "none")
+_STRATEGIES = ("tokens", "vocab")
 
 #: Largest block (elements of one row) a CE program loads at once; rows longer than this are looped over.
 CE_MAX_BLOCK: int = 4096
@@ -69,6 +90,10 @@ CE_ROWS: int | None = None
 FLCE_CHUNK_BUDGET_BYTES: int = int(os.environ.get("LIGERMODELS_FLCE_CHUNK_BYTES", 1 << 30))
 #: When set, forces the FLCE chunk size (tokens per chunk); tests use it to run many chunks on small shapes.
 FLCE_CHUNK_SIZE: int | None = int(os.environ.get("LIGERMODELS_FLCE_CHUNK", 0)) or None
+#: Bytes the "vocab" FLCE (N, Vc) window buffer may take; the window Vc follows from it (and N, dtype).
+FLCE_VOCAB_BUDGET_BYTES: int = int(os.environ.get("LIGERMODELS_FLCE_VOCAB_BYTES", 256 << 20))
+#: When set, forces the "vocab" FLCE window (vocabulary columns per window); tests use it to run many windows.
+FLCE_VOCAB_CHUNK: int | None = int(os.environ.get("LIGERMODELS_FLCE_VOCAB_CHUNK", 0)) or None
 _SCALE_BLOCK = 2048
 
 
@@ -97,21 +122,23 @@ def _softcap(x, cap):
 
 @triton.jit
 def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_ptr, stride_g,
-               n_rows, n_cols, ignore_index, eps, zscale, cap,
+               n_rows, n_cols, col0, v_total, ignore_index, eps, zscale, cap,
                FWD: tl.constexpr, BWD: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
                ZLOSS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """ROWS rows (tokens) of V logits per program, V walked in BLOCK-wide steps; all math in fp32.
+    """ROWS rows (tokens) of n_cols logits per program, walked in BLOCK-wide steps; all math in fp32.
 
-    FWD: one pass over the rows (online max and sum-exp) stores loss[row] and lse[row];
-    otherwise lse[row] is read. BWD: a second pass stores
-    dx[row] = g[row * stride_g] * d loss / d x (dx may be x itself: every element is read, then
-    overwritten, by the same program). ROWS is 1 for long rows (large vocabularies).
+    The n_cols columns of x are the vocabulary columns [col0, col0 + n_cols) of v_total (the whole
+    row for ``cross_entropy`` and the "tokens" FLCE: col0 = 0, v_total = n_cols; one window of
+    the vocabulary for the "vocab" FLCE backward). FWD (whole rows only): one pass over the rows
+    (online max and sum-exp) stores loss[row] and lse[row]; otherwise lse[row] is read. BWD: a
+    second pass stores dx[row] = g[row * stride_g] * d loss / d x for the columns held (dx may be x
+    itself: every element is read, then overwritten, by the same program). ROWS is 1 for long rows.
     """
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     valid = y != ignore_index
-    in_range = (y >= 0) & (y < n_cols)
+    in_range = (y >= 0) & (y < v_total)
     tl.device_assert(in_range | (~valid), "cross_entropy: target out of [0, V) and not ignore_index")
     bad = valid & (~in_range)
     x_rows = x_ptr + rows[:, None] * stride_x
@@ -141,7 +168,7 @@ def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_p
             zy, _ = _softcap(zy, cap)
         loss = lse - (1.0 - eps) * zy
         if SMOOTH:
-            loss -= eps * zsum / n_cols
+            loss -= eps * zsum / v_total
         if ZLOSS:
             loss += zscale * lse * lse
         loss = tl.where(valid, loss, 0.0)
@@ -159,10 +186,10 @@ def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_p
         if ZLOSS:
             coef_p = coef * (1.0 + 2.0 * zscale * lse)
         coef_y = ((1.0 - eps) * coef)[:, None]
-        coef_s = (eps / n_cols * coef)[:, None]
+        coef_s = (eps / v_total * coef)[:, None]
         coef_p = coef_p[:, None]
         lse2 = lse[:, None]
-        y2 = y[:, None]
+        y2 = (y - col0)[:, None]  # the target's column within this window (may lie outside it)
         dx_rows = dx_ptr + rows[:, None] * stride_dx
         for off in range(0, n_cols, BLOCK):
             cols = off + offs
@@ -178,6 +205,75 @@ def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_p
             if SOFTCAP:
                 d *= dz
             tl.store(dx_rows + cols, d.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_window_kernel(x_ptr, stride_x, y_ptr, state_ptr, loss_ptr, lse_ptr, n_rows, n_cols, col0, v_total,
+                      ignore_index, eps, zscale, cap,
+                      FIRST: tl.constexpr, LAST: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+                      ZLOSS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """One vocabulary window of the "vocab" FLCE forward: x (n_rows, n_cols) holds the logits of the
+    columns [col0, col0 + n_cols) of v_total. All math in fp32.
+
+    Per-token running state, ``state`` (4, n_rows) fp32: online max m, sum-exp s (relative to m), the
+    row sum of z (label smoothing) and the target's logit z_y (set by the window holding the target).
+    FIRST: the state starts empty (not read); LAST: instead of storing the state, store
+    lse = m + log(s) and the loss, with the semantics of ``_ce_kernel`` (0 for ignore_index, NaN for
+    a target outside [0, v_total)). Both for a single window.
+    """
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    y = tl.load(y_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    valid = y != ignore_index
+    if FIRST:
+        m = tl.full([ROWS], -float("inf"), tl.float32)
+        s = tl.zeros([ROWS], tl.float32)
+        zsum = tl.zeros([ROWS], tl.float32)
+        zy = tl.zeros([ROWS], tl.float32)
+    else:
+        m = tl.load(state_ptr + rows, mask=row_ok, other=0.0)
+        s = tl.load(state_ptr + n_rows + rows, mask=row_ok, other=0.0)
+        zsum = tl.load(state_ptr + 2 * n_rows + rows, mask=row_ok, other=0.0)
+        zy = tl.load(state_ptr + 3 * n_rows + rows, mask=row_ok, other=0.0)
+    x_rows = x_ptr + rows[:, None] * stride_x
+    offs = tl.arange(0, BLOCK)[None, :]
+    for off in range(0, n_cols, BLOCK):
+        cols = off + offs
+        col_ok = cols < n_cols
+        z = tl.load(x_rows + cols, mask=row_ok[:, None] & col_ok, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            z, _ = _softcap(z, cap)
+        if SMOOTH:
+            zsum += tl.sum(tl.where(col_ok, z, 0.0), axis=1)
+        z = tl.where(col_ok, z, -float("inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m = m_new
+    yl = y - col0  # the target's column within this window
+    here = row_ok & valid & (yl >= 0) & (yl < n_cols)
+    zt = tl.load(x_ptr + rows * stride_x + tl.where(here, yl, 0), mask=here, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        zt, _ = _softcap(zt, cap)
+    zy = tl.where(here, zt, zy)
+    if LAST:
+        in_range = (y >= 0) & (y < v_total)
+        tl.device_assert(in_range | (~valid), "cross_entropy: target out of [0, V) and not ignore_index")
+        bad = valid & (~in_range)
+        lse = m + tl.log(s)
+        loss = lse - (1.0 - eps) * zy
+        if SMOOTH:
+            loss -= eps * zsum / v_total
+        if ZLOSS:
+            loss += zscale * lse * lse
+        loss = tl.where(valid, loss, 0.0)
+        loss = tl.where(bad, float("nan"), loss)
+        tl.store(loss_ptr + rows, loss, mask=row_ok)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
+    else:
+        tl.store(state_ptr + rows, m, mask=row_ok)
+        tl.store(state_ptr + n_rows + rows, s, mask=row_ok)
+        tl.store(state_ptr + 2 * n_rows + rows, zsum, mask=row_ok)
+        tl.store(state_ptr + 3 * n_rows + rows, zy, mask=row_ok)
 
 
 @triton.jit
@@ -204,13 +300,17 @@ def _ce_tile(n_cols: int) -> tuple[int, int]:
     return max(1, min(32, tile // block)), block
 
 
-def _launch_ce(kernel, x, dx, target, loss, lse, g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd):
-    """Launch ``_ce_kernel`` (``kernel`` is it, or ``wrap_triton`` of it) over the rows of ``x`` (rows, V)."""
+def _launch_ce(kernel, x, dx, target, loss, lse, g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd,
+               col0=0, v_total=None):
+    """Launch ``_ce_kernel`` (``kernel`` is it, or ``wrap_triton`` of it) over the rows of ``x`` (rows, V).
+
+    ``x`` may hold only the vocabulary columns [col0, col0 + x.shape[1]) of ``v_total`` (backward only).
+    """
     n_rows, n_cols = x.shape
     rows, block = _ce_tile(n_cols)
     kernel[(triton.cdiv(n_rows, rows),)](
         x, x.stride(0), dx, dx.stride(0), target, loss, lse, g, stride_g,
-        n_rows, n_cols, ignore_index, eps, zscale, cap if cap else 1.0,
+        n_rows, n_cols, col0, n_cols if v_total is None else v_total, ignore_index, eps, zscale, cap if cap else 1.0,
         FWD=fwd, BWD=bwd, SOFTCAP=bool(cap), SMOOTH=eps != 0.0, ZLOSS=zscale != 0.0, ROWS=rows, BLOCK=block,
         num_warps=row_warps(rows * block))
 
@@ -259,12 +359,19 @@ def _scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch
 
 # ---------------------------------------------------------------------------- chunk size planning
 class ChunkPlan(NamedTuple):
-    """How :func:`fused_linear_cross_entropy` splits N tokens, and the extra device memory it predicts.
+    """How :func:`fused_linear_cross_entropy` splits the work, and the extra device memory it predicts.
 
     ``extra_bytes`` is what the op allocates beyond its inputs and the final gradients it returns:
-    the (C, V) logits/dlogits chunk buffer, per-token fp32 loss and lse (8*N), the fp32 weight- and
-    bias-gradient accumulators (4*V*H + 4*V, independent of N), and, for "mean"/"sum", the hidden
-    gradient computed in the forward and held until backward scales it into a fresh tensor (N*H*s).
+
+    * "tokens": chunks of ``chunk_size`` tokens. The (C, V) logits/dlogits chunk buffer, per-token
+      fp32 loss and lse (8*N), the fp32 weight- and bias-gradient accumulators (``accum_bytes`` =
+      4*V*H + 4*V, independent of N), and, for "mean"/"sum", the hidden gradient computed in the
+      forward and held until backward scales it into a fresh tensor (N*H*s).
+    * "vocab": windows of ``chunk_size`` vocabulary columns. The (N, Vc) logits/dlogits window
+      buffer, per-token fp32 vectors (24*N: loss, lse and the 4 running-state vectors of the
+      forward), and ``accum_bytes``: the fp32 (N, H) hidden-gradient accumulator (4*N*H; none
+      for fp32 hidden, whose gradient is accumulated in place) plus a (Vc,) fp32 bias-gradient
+      window. No (V, H) buffer: each window's weight gradient is written straight into the result.
     """
 
     chunk_size: int
@@ -274,6 +381,7 @@ class ChunkPlan(NamedTuple):
     held_grad_hidden_bytes: int
     per_token_bytes: int
     extra_bytes: int
+    strategy: str = "tokens"
 
 
 def _round_chunk(c: int) -> int:
@@ -284,34 +392,64 @@ def _round_chunk(c: int) -> int:
     return max(c, 1)
 
 
+def _balanced(total: int, c_max: int, multiple: int) -> int:
+    """The chunk size splitting ``total`` into as many chunks as ``c_max`` needs, as equal as possible
+    (rounded up to ``multiple`` when ``c_max`` is at least that, never above ``c_max``)."""
+    if total <= c_max:
+        return max(total, 1)
+    k = triton.cdiv(total, c_max)
+    return min(c_max, triton.cdiv(triton.cdiv(total, k), multiple) * multiple) if c_max >= multiple else c_max
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"strategy must be one of {_STRATEGIES}, got {strategy!r}")
+
+
 def flce_chunk_plan(n_tokens: int, hidden_size: int, vocab_size: int, dtype: torch.dtype = torch.bfloat16, *,
                     grad_hidden: bool = True, grad_weight: bool = True, bias: bool = False,
                     reduction: str = "mean", budget_bytes: int | None = None,
-                    chunk_size: int | None = None) -> ChunkPlan:
-    """Chunk size C for :func:`fused_linear_cross_entropy` and the extra bytes it will allocate.
+                    chunk_size: int | None = None, strategy: str = "tokens") -> ChunkPlan:
+    """Chunk (or window) size for :func:`fused_linear_cross_entropy` and the extra bytes it will allocate.
 
-    C is the largest GEMM-friendly size whose (C, V) buffer in ``dtype`` fits ``budget_bytes``
-    (``FLCE_CHUNK_BUDGET_BYTES``, 1 GiB by default), then shrunk to balance the chunks (the same
-    number of chunks, as equal as possible). Larger chunks mean fewer read-modify-writes of the
-    fp32 (V, H) accumulator (8*V*H bytes per chunk), so the budget trades memory for speed. At
-    V = 152064, H = 4096, bf16: C = 3328, chunk buffer 0.94 GiB, accumulator 2.3 GiB.
+    "tokens": C is the largest GEMM-friendly size whose (C, V) buffer in ``dtype`` fits
+    ``budget_bytes`` (``FLCE_CHUNK_BUDGET_BYTES``, 1 GiB by default), then shrunk to balance the
+    chunks (the same number of chunks, as equal as possible). Larger chunks mean fewer
+    read-modify-writes of the fp32 (V, H) accumulator (8*V*H bytes per chunk), so the budget trades
+    memory for speed. At V = 152064, H = 4096, bf16: C = 3328, chunk buffer 0.94 GiB, accumulator 2.3 GiB.
+
+    "vocab": the window Vc (vocabulary columns) is the largest multiple of 256 (at least 256, at most
+    V) whose (N, Vc) buffer fits ``budget_bytes`` (``FLCE_VOCAB_BUDGET_BYTES``, 256 MiB by default),
+    balanced over the windows; ``chunk_size`` (or ``FLCE_VOCAB_CHUNK``) forces it. At N = 16384,
+    bf16: Vc = 8192 (19 windows at V = 152064), window buffer 256 MiB, hidden-gradient accumulator
+    4*N*H (256 MiB at H = 4096).
     """
+    _check_strategy(strategy)
     n, h, v = int(n_tokens), int(hidden_size), int(vocab_size)
     s = torch.empty((), dtype=dtype).element_size()
+    any_grad = grad_hidden or grad_weight or bias
+    if strategy == "vocab":
+        forced = chunk_size if chunk_size is not None else FLCE_VOCAB_CHUNK
+        if forced is not None:
+            c = max(1, min(int(forced), v))
+        else:
+            budget = FLCE_VOCAB_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+            c_max = min(max(budget // max(n * s, 1) // 256 * 256, 256), v)
+            c = _balanced(v, c_max, 256)
+        n_chunks = triton.cdiv(v, c)
+        chunk_bytes = n * c * s
+        accum = (4 * n * h if grad_hidden and s != 4 else 0) + (4 * c if bias else 0)
+        per_token = 24 * n
+        extra = chunk_bytes + per_token + (accum if any_grad else 0)
+        return ChunkPlan(c, n_chunks, chunk_bytes, accum if any_grad else 0, 0, per_token, extra, strategy)
     forced = chunk_size if chunk_size is not None else FLCE_CHUNK_SIZE
     if forced is not None:
         c = max(1, min(int(forced), max(n, 1)))
     else:
         budget = FLCE_CHUNK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
-        c_max = _round_chunk(max(budget // max(v * s, 1), 1))
-        if n <= c_max:
-            c = max(n, 1)
-        else:
-            k = triton.cdiv(n, c_max)
-            c = min(c_max, triton.cdiv(triton.cdiv(n, k), 256) * 256) if c_max >= 256 else c_max
+        c = _balanced(n, _round_chunk(max(budget // max(v * s, 1), 1)), 256)
     n_chunks = triton.cdiv(n, c) if n > 0 else 0
     chunk_bytes = min(c, n) * v * s if n > 0 else 0
-    any_grad = grad_hidden or grad_weight or bias
     accum = (4 * v * h if grad_weight else 0) + (4 * v if bias else 0)
     held = n * h * s if (grad_hidden and reduction != "none") else 0
     per_token = 8 * n
@@ -442,6 +580,122 @@ def _(hidden, weight, bias, target, lse, grad, ignore_index, label_smoothing, ls
     return dh, (dw.to(weight.dtype) if want_w else dw), (db.to(bias.dtype) if want_b else db)
 
 
+# ------------------------------------------------------------------- FLCE vocabulary-window loops
+def _vocab_windows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Yield (v0, v1, logits) per vocabulary window: ``logits = hidden @ weight[v0:v1].T (+ bias[v0:v1])``,
+    (N, v1 - v0) contiguous, in one reused buffer (each window overwrites the previous one's)."""
+    n, h_size = hidden.shape
+    v = weight.shape[0]
+    c = flce_chunk_plan(n, h_size, v, hidden.dtype, strategy="vocab").chunk_size
+    flat = torch.empty(n * min(c, v), dtype=hidden.dtype, device=hidden.device)
+    for v0 in range(0, v, c):
+        v1 = min(v0 + c, v)
+        logits = flat[: n * (v1 - v0)].view(n, v1 - v0)  # contiguous, so the GEMM writes it in place
+        wt = weight[v0:v1].t()
+        if bias is None:
+            torch.mm(hidden, wt, out=logits)
+        else:
+            torch.addmm(bias[v0:v1], hidden, wt, out=logits)
+        yield v0, v1, logits
+
+
+def _vocab_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                   ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """"vocab" FLCE forward: per-token loss (N,) and lse (N,), fp32, one vocabulary window at a time.
+
+    Per window, one GEMM into the (N, Vc) buffer, then ``_ce_window_kernel`` folds the window into the
+    per-token running state (4, N); the last window's launch turns the state into loss and lse.
+    """
+    n, v = hidden.shape[0], weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    loss, lse = torch.empty(n, **f32), torch.empty(n, **f32)
+    if n == 0:
+        return loss, lse
+    state = torch.empty(4, n, **f32)
+    eps, zscale, cap = label_smoothing, lse_square_scale, softcap
+    for v0, v1, logits in _vocab_windows(hidden, weight, bias):
+        rows, block = _ce_tile(v1 - v0)
+        _ce_window_kernel[(triton.cdiv(n, rows),)](
+            logits, logits.stride(0), target, state, loss, lse, n, v1 - v0, v0, v, ignore_index, eps, zscale,
+            cap if cap else 1.0, FIRST=v0 == 0, LAST=v1 == v, SOFTCAP=bool(cap), SMOOTH=eps != 0.0,
+            ZLOSS=zscale != 0.0, ROWS=rows, BLOCK=block, num_warps=row_warps(rows * block))
+    return loss, lse
+
+
+@torch.library.custom_op(f"{LIB}::flce_vocab_fwd", mutates_args=())
+def _flce_vocab_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op of :func:`_vocab_forward`: (loss (N,), lse (N,)), fp32."""
+    return _vocab_forward(hidden, weight, bias, target, ignore_index, label_smoothing, lse_square_scale, softcap)
+
+
+@_flce_vocab_fwd.register_fake
+def _(hidden, weight, bias, target, ignore_index, label_smoothing, lse_square_scale, softcap):
+    n = target.numel()
+    return hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+
+
+def _vocab_grad_outputs(hidden, weight, bias, want_h, want_w, want_b):
+    """(dh, dW, db) in the input dtypes, (0,) placeholders for what is not asked for."""
+    n, h_size = hidden.shape
+    return (hidden.new_empty((n, h_size) if want_h else (0,)),
+            weight.new_empty(weight.shape if want_w else (0,)),
+            (bias if want_b else hidden).new_empty(weight.shape[0] if want_b else 0))
+
+
+def _vocab_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                    lse: torch.Tensor, grad: torch.Tensor, ignore_index: int, label_smoothing: float,
+                    lse_square_scale: float, softcap: float, want_h: bool, want_w: bool, want_b: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """"vocab" FLCE backward: (dh, dW, db) in the input dtypes, of sum_i grad_i * loss_i.
+
+    ``grad``: 0-dim (already times the reduction scale) or (N,) per token. Per window: recompute the
+    logits (GEMM), ``_ce_kernel`` (BWD, column offset v0 of V) turns them into dlogits in place, then
+    ``dW[v0:v1] = dlogits.T @ h`` straight into the result (one GEMM over all N tokens: fp32
+    accumulation inside the GEMM, one rounding), ``db[v0:v1] = dlogits.sum(0)`` in fp32, and
+    ``dh += dlogits @ W[v0:v1]`` into an fp32 (N, H) accumulator (the result itself for fp32 hidden).
+    """
+    dh, dw, db = _vocab_grad_outputs(hidden, weight, bias, want_h, want_w, want_b)
+    n = hidden.shape[0]
+    if n == 0:
+        return dh, dw.zero_(), db.zero_()
+    v = weight.shape[0]
+    acc = None
+    if want_h:
+        acc = dh if hidden.dtype == torch.float32 else torch.empty(dh.shape, dtype=torch.float32, device=dh.device)
+    stride_g = grad.stride(0) if grad.dim() else 0
+    for v0, v1, logits in _vocab_windows(hidden, weight, bias):
+        _launch_ce(_ce_kernel, logits, logits, target, lse, lse, grad, stride_g, ignore_index, label_smoothing,
+                   lse_square_scale, softcap, False, True, col0=v0, v_total=v)
+        if want_h:
+            _accumulate_fp32(acc, logits, weight[v0:v1], beta=0.0 if v0 == 0 else 1.0)
+        if want_w:
+            torch.mm(logits.t(), hidden, out=dw[v0:v1])
+        if want_b:
+            db[v0:v1] = logits.sum(0, dtype=torch.float32)
+    if want_h and acc is not dh:
+        dh.copy_(acc)
+    return dh, dw, db
+
+
+@torch.library.custom_op(f"{LIB}::flce_vocab_bwd", mutates_args=())
+def _flce_vocab_bwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                    lse: torch.Tensor, grad: torch.Tensor, ignore_index: int, label_smoothing: float,
+                    lse_square_scale: float, softcap: float, want_h: bool, want_w: bool, want_b: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The custom op of :func:`_vocab_backward`: (dh, dW, db) in the input dtypes."""
+    return _vocab_backward(hidden, weight, bias, target, lse, grad, ignore_index, label_smoothing,
+                           lse_square_scale, softcap, want_h, want_w, want_b)
+
+
+@_flce_vocab_bwd.register_fake
+def _(hidden, weight, bias, target, lse, grad, ignore_index, label_smoothing, lse_square_scale, softcap,
+      want_h, want_w, want_b):
+    return _vocab_grad_outputs(hidden, weight, bias, want_h, want_w, want_b)
+
+
 # ---------------------------------------------------------------------------------- autograd glue
 def _scale_tensor(target: torch.Tensor, ignore_index: int, reduction: str,
                   num_items: int | float | torch.Tensor | None) -> torch.Tensor:
@@ -482,20 +736,27 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Autograd wrapper of the FLCE chunk loop.
+    """Autograd wrapper of the FLCE loops.
 
-    "mean"/"sum": gradients are computed in the forward and only scaled by the 0-dim upstream
+    "tokens", "mean"/"sum": gradients are computed in the forward and only scaled by the 0-dim upstream
     gradient in backward (out of place, so a retained graph can be backpropagated twice).
-    "none": forward keeps lse (N,), backward reruns the chunk loop with the per-token gradient.
+    "tokens", "none": forward keeps lse (N,), backward reruns the chunk loop with the per-token gradient.
+    "vocab" (every reduction): forward keeps lse (N,) and the 0-dim reduction scale; backward runs the
+    window loop with the upstream gradient (times the scale for "mean"/"sum").
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, num_items, ignore_index, label_smoothing, lse_square_scale,
-                softcap, reduction, want_h, want_w, want_b):
+                softcap, reduction, want_h, want_w, want_b, strategy):
         opts = (ignore_index, label_smoothing, lse_square_scale, softcap)
         ctx.opts, ctx.reduction, ctx.wants = opts, reduction, (want_h, want_w, want_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.strategy = strategy
         scale = _scale_tensor(target, ignore_index, reduction, num_items)
+        if strategy == "vocab":
+            loss_tok, lse = _flce_vocab_fwd(hidden, weight, bias, target, *opts)
+            ctx.save_for_backward(hidden, weight, bias, target, lse, scale)
+            return _reduce(loss_tok, scale, reduction)
         grads_now = reduction != "none"
         loss_tok, lse, dh, dw, db = _flce_fwd(hidden, weight, bias, target, scale, *opts,
                                               want_h and grads_now, want_w and grads_now, want_b and grads_now)
@@ -509,7 +770,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad):
         want_h, want_w, want_b = ctx.wants
         h_dtype, w_dtype, b_dtype = ctx.dtypes
-        if ctx.reduction != "none":
+        if ctx.strategy == "vocab":
+            hidden, weight, bias, target, lse, scale = ctx.saved_tensors
+            g = grad if ctx.reduction == "none" else grad.to(torch.float32).reshape(()) * scale
+            dh, dw, db = _flce_vocab_bwd(hidden, weight, bias, target, lse, g, *ctx.opts, want_h, want_w, want_b)
+            dh, dw, db = (dh if want_h else None), (dw if want_w else None), (db if want_b else None)
+        elif ctx.reduction != "none":
             dh, dw, db = ctx.saved_tensors
             g = grad.reshape(())
             dh = _scale_cast(dh, g, h_dtype) if want_h else None
@@ -519,7 +785,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             hidden, weight, bias, target, lse = ctx.saved_tensors
             dh, dw, db = _flce_bwd(hidden, weight, bias, target, lse, grad, *ctx.opts, want_h, want_w, want_b)
             dh, dw, db = (dh if want_h else None), (dw if want_w else None), (db if want_b else None)
-        return dh, dw, db, None, None, None, None, None, None, None, None, None, None
+        return dh, dw, db, None, None, None, None, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -626,7 +892,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                                bias: torch.Tensor | None = None, ignore_index: int = -100,
                                label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
                                softcap: float | None = None, reduction: str = "mean",
-                               num_items: int | float | torch.Tensor | None = None) -> torch.Tensor:
+                               num_items: int | float | torch.Tensor | None = None,
+                               strategy: str = "tokens") -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``target``, without materialising the logits.
 
     Args:
@@ -637,13 +904,18 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         num_items: for "mean", divide the summed loss by this instead of the local non-ignored count
             (e.g. the count over all micro-batches and data-parallel ranks). A Python number or a
             0-dim tensor (best on the same device); never read on the host.
+        strategy: "tokens" (default: chunks of tokens, 3 GEMMs, fastest; extra memory about a 1 GiB
+            chunk buffer + a 4*V*H fp32 weight-gradient accumulator) or "vocab" (windows of the
+            vocabulary, 4 GEMMs, about 1.33x the matmul floor; extra memory about a 256 MiB window
+            buffer + a 4*N*H fp32 hidden-gradient accumulator). See the module docstring.
     Returns:
         fp32 loss: 0-dim, or shaped like ``target`` for "none".
 
-    Memory: a (C, V) chunk buffer plus fp32 accumulators, see :func:`flce_chunk_plan`. The weight
-    and bias gradients are accumulated in fp32 over the chunks and cast to the parameter dtype once.
+    Memory: see :func:`flce_chunk_plan`. Weight and bias gradients are accumulated in fp32 and cast
+    to the parameter dtype once ("tokens": over the chunks; "vocab": inside one GEMM per window).
     """
     _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
+    _check_strategy(strategy)
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1] or weight.shape[0] == 0:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
                          f"{tuple(weight.shape)} do not fit (weight must be (V, H), V > 0)")
@@ -673,5 +945,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         h2 = h2.contiguous()
     loss = FusedLinearCrossEntropyFunction.apply(
         h2, weight, bias, target.reshape(-1).contiguous(), num_items if reduction == "mean" else None, ignore_index,
-        float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction, want_h, want_w, want_b)
+        float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction, want_h, want_w, want_b,
+        strategy)
     return loss.reshape(target.shape) if reduction == "none" else loss

@@ -3,7 +3,9 @@
 Every option (ignore_index, label_smoothing, z-loss, softcap), each reduction ("none" with a random
 upstream gradient) and their combination, in fp32 and bf16; V is no multiple of any block and N no
 multiple of the chunk: the row block and the FLCE chunk are forced small so that several blocks
-and several chunks run on small shapes.
+and several chunks run on small shapes. The FLCE tests run both strategies: "tokens" (token chunks)
+and "vocab" (vocabulary windows, forced to 300 columns: V = 1000 / 777 is no multiple of it, and each
+window spans two row blocks).
 """
 
 import importlib
@@ -11,6 +13,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.cross_entropy import (
     cross_entropy,
@@ -36,13 +39,17 @@ OPTIONS = {
 }
 N_TOKENS, HIDDEN = 45, 48
 CHUNK = 16  # 45 tokens -> chunks of 16, 16, 13
+WINDOW = 300  # V = 1000 -> windows of 300, 300, 300, 100; V = 777 -> 300, 300, 177
+STRATEGIES = ["tokens", "vocab"]
 
 
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
-    """Rows of V = 777 / 1000 span 4 blocks of 256 (last one partial); FLCE runs 3 chunks."""
+    """Rows of V = 777 / 1000 span 4 blocks of 256 (last one partial); FLCE runs 3 chunks ("tokens")
+    or 3-4 windows of up to 2 blocks each ("vocab")."""
     monkeypatch.setattr(ce, "CE_MAX_BLOCK", 256)
     monkeypatch.setattr(ce, "FLCE_CHUNK_SIZE", CHUNK)
+    monkeypatch.setattr(ce, "FLCE_VOCAB_CHUNK", WINDOW)
 
 
 def _targets(n, v, ignore, ignore_index=-100, seed=0):
@@ -179,7 +186,9 @@ def test_out_of_range_target_is_poisoned_not_silent():
     assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
     assert torch.isnan(cross_entropy(logits, target))
     w = randn(50, 8, seed=8)
-    assert torch.isnan(fused_linear_cross_entropy(randn(4, 8, seed=9), w, target, reduction="none")[2])
+    for strategy in STRATEGIES:
+        loss = fused_linear_cross_entropy(randn(4, 8, seed=9), w, target, reduction="none", strategy=strategy)
+        assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all(), strategy
     with pytest.raises((IndexError, RuntimeError)):  # the PyTorch reference raises (on CPU; CUDA device-asserts)
         cross_entropy_reference(logits.cpu(), target.cpu())
 
@@ -202,9 +211,9 @@ def _flce64(hidden, weight, bias, target, dout, **kw):
     return loss, h.grad, w.grad, (b.grad if b is not None else None)
 
 
-def _check_flce(dtype, hidden, weight, bias, target, dout, **kw):
+def _check_flce(dtype, hidden, weight, bias, target, dout, strategy="tokens", **kw):
     before = snapshot(*(t for t in (hidden, weight, bias, target, dout) if t is not None))
-    loss = fused_linear_cross_entropy(hidden, weight, target, bias, **kw)
+    loss = fused_linear_cross_entropy(hidden, weight, target, bias, strategy=strategy, **kw)
     loss.backward(dout)
     assert_unchanged(before, *(t for t in (hidden, weight, bias, target, dout) if t is not None))
     assert loss.dtype == torch.float32
@@ -217,52 +226,60 @@ def _check_flce(dtype, hidden, weight, bias, target, dout, **kw):
     return errs
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("name", list(OPTIONS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_flce_matches_float64(dtype, name, reduction):
+def test_flce_matches_float64(dtype, name, reduction, strategy):
     opts, ignore = OPTIONS[name]
     v = _v_for(name)
     bias = list(OPTIONS).index(name) % 3 != 0  # with and without bias
     hidden, weight, b = _flce_case(dtype, v, bias)
     target = _targets(N_TOKENS, v, ignore, opts.get("ignore_index", -100))
     assert_triton_runs(hidden)
-    _check_flce(dtype, hidden, weight, b, target, _upstream(reduction, N_TOKENS), reduction=reduction, **opts)
+    _check_flce(dtype, hidden, weight, b, target, _upstream(reduction, N_TOKENS), reduction=reduction,
+                strategy=strategy, **opts)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("as_tensor", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_flce_num_items(dtype, as_tensor):
+def test_flce_num_items(dtype, as_tensor, strategy):
     """mean divides by num_items (int or 0-dim tensor): e.g. the token count over all micro-batches."""
     opts, _ = OPTIONS["all"]
     hidden, weight, b = _flce_case(dtype, 777, True, seed=20)
     target = _targets(N_TOKENS, 777, True, opts["ignore_index"])
     num_items = torch.tensor(123, device=DEVICE) if as_tensor else 123
     assert_triton_runs(hidden)
-    _check_flce(dtype, hidden, weight, b, target, _upstream("mean", N_TOKENS), num_items=num_items, **opts)
+    _check_flce(dtype, hidden, weight, b, target, _upstream("mean", N_TOKENS), num_items=num_items,
+                strategy=strategy, **opts)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_flce_all_ignored_is_zero(reduction):
+def test_flce_all_ignored_is_zero(reduction, strategy):
     hidden, weight, b = _flce_case(torch.float32, 300, True, seed=30)
     target = torch.full((N_TOKENS,), -100, device=DEVICE)
     assert_triton_runs(hidden)
-    loss = fused_linear_cross_entropy(hidden, weight, target, b, label_smoothing=0.1, reduction=reduction)
+    loss = fused_linear_cross_entropy(hidden, weight, target, b, label_smoothing=0.1, reduction=reduction,
+                                      strategy=strategy)
     loss.backward(torch.ones_like(loss))
     assert torch.equal(loss.detach(), torch.zeros_like(loss))
     for t in (hidden, weight, b):
         assert torch.equal(t.grad, torch.zeros_like(t)), "gradient of an all-ignored batch must be 0"
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_flce_agrees_with_torch(dtype, reduction):
+def test_flce_agrees_with_torch(dtype, reduction, strategy):
     """F.linear + F.cross_entropy on fp32-upcast logits (the Hugging Face recipe)."""
     hidden, weight, b = _flce_case(dtype, 1000, True, seed=40)
     target = _targets(N_TOKENS, 1000, True, seed=41)
     dout = _upstream(reduction, N_TOKENS)
     assert_triton_runs(hidden)
-    loss = fused_linear_cross_entropy(hidden, weight, target, b, label_smoothing=0.05, reduction=reduction)
+    loss = fused_linear_cross_entropy(hidden, weight, target, b, label_smoothing=0.05, reduction=reduction,
+                                      strategy=strategy)
     loss.backward(dout)
     h, w, bb = (t.detach().clone().requires_grad_() for t in (hidden, weight, b))
     theirs = F.cross_entropy(F.linear(h, w, bb).float(), target, label_smoothing=0.05, reduction=reduction)
@@ -273,7 +290,8 @@ def test_flce_agrees_with_torch(dtype, reduction):
         assert_rel(ours, ref, dtype, f"{what} vs torch", bound=tol)
 
 
-def test_flce_tied_embedding_leading_dims_and_partial_grads():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flce_tied_embedding_leading_dims_and_partial_grads(strategy):
     """weight tied to the input embedding: both gradient paths add up; (B, T, H) hidden; frozen bias."""
     v, h = 500, 24
     emb = torch.nn.Embedding(v, h).to(DEVICE)
@@ -285,7 +303,7 @@ def test_flce_tied_embedding_leading_dims_and_partial_grads():
     assert_triton_runs(emb.weight)
 
     hidden = torch.tanh(emb(ids))
-    loss = fused_linear_cross_entropy(hidden, emb.weight, target, bias, lse_square_scale=1e-2)
+    loss = fused_linear_cross_entropy(hidden, emb.weight, target, bias, lse_square_scale=1e-2, strategy=strategy)
     loss.backward()
     ours = emb.weight.grad.clone()
     emb.weight.grad = None
@@ -295,21 +313,22 @@ def test_flce_tied_embedding_leading_dims_and_partial_grads():
     _math64(h64 @ w64.T + bias.double(), target, lse_square_scale=1e-2).backward()
     assert_rel(ours, w64.grad, torch.float32, "tied embedding gradient")
 
-    out = fused_linear_cross_entropy(hidden, emb.weight, target, reduction="none")
+    out = fused_linear_cross_entropy(hidden, emb.weight, target, reduction="none", strategy=strategy)
     assert out.shape == (2, 11)
 
 
-def test_flce_retain_graph_backward_twice_and_no_grad():
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flce_retain_graph_backward_twice_and_no_grad(strategy):
     hidden, weight, b = _flce_case(torch.float32, 777, True, seed=60)
     target = _targets(N_TOKENS, 777, True, seed=61)
     assert_triton_runs(hidden)
-    loss = fused_linear_cross_entropy(hidden, weight, target, b, softcap=5.0)
+    loss = fused_linear_cross_entropy(hidden, weight, target, b, softcap=5.0, strategy=strategy)
     loss.backward(retain_graph=True)
     once = weight.grad.clone()
     loss.backward()
     assert_rel(weight.grad, 2 * once, torch.float32, "second backward of a retained graph")
     with torch.no_grad():
-        again = fused_linear_cross_entropy(hidden, weight, target, b, softcap=5.0)
+        again = fused_linear_cross_entropy(hidden, weight, target, b, softcap=5.0, strategy=strategy)
     assert torch.equal(again, loss.detach())
 
 
@@ -328,13 +347,33 @@ def test_flce_chunk_size_does_not_change_the_result(monkeypatch):
         assert rel_err(a, c) <= 1e-6
 
 
-def test_flce_under_autocast_runs_in_the_autocast_dtype():
+def test_flce_vocab_window_does_not_change_the_result(monkeypatch):
+    """"vocab" with windows of 40 columns (25 windows), 256, and one window of all V = 1000 columns; and
+    "tokens" against them."""
+    hidden, weight, b = _flce_case(torch.float32, 1000, True, seed=72)
+    target = _targets(N_TOKENS, 1000, True, seed=73)
+    assert_triton_runs(hidden)
+    results = []
+    for strategy, window in (("vocab", 40), ("vocab", 256), ("vocab", 1000), ("tokens", None)):
+        monkeypatch.setattr(ce, "FLCE_VOCAB_CHUNK", window)
+        hidden.grad = weight.grad = b.grad = None
+        loss = fused_linear_cross_entropy(hidden, weight, target, b, label_smoothing=0.1, lse_square_scale=1e-3,
+                                          softcap=4.0, strategy=strategy)
+        loss.backward()
+        results.append((loss.detach(), hidden.grad, weight.grad, b.grad))
+    for other in results[1:]:
+        for a, c in zip(results[0], other, strict=True):
+            assert rel_err(a, c) <= 1e-6
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flce_under_autocast_runs_in_the_autocast_dtype(strategy):
     """fp32 parameters under autocast: the matmuls run in bf16 (as F.linear would), grads come back fp32."""
     hidden, weight, b = _flce_case(torch.float32, 777, True, seed=75)
     target = _targets(N_TOKENS, 777, True, seed=76)
     assert_triton_runs(hidden)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        loss = fused_linear_cross_entropy(hidden, weight, target, b)
+        loss = fused_linear_cross_entropy(hidden, weight, target, b, strategy=strategy)
     loss.backward()
     assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
     ref, dh, dw, db = _flce64(hidden, weight, b, target, torch.tensor(1.0))
@@ -372,6 +411,67 @@ def test_chunk_plan_bounds_memory_independently_of_tokens(monkeypatch):
     assert flce_chunk_plan(100, 16, 1000, chunk_size=16).n_chunks == 7
 
 
+def test_vocab_plan_has_no_weight_sized_accumulator(monkeypatch):
+    """"vocab": an (N, Vc) window within its budget, a 4*N*H hidden-gradient accumulator, nothing of V*H."""
+    monkeypatch.setattr(ce, "FLCE_VOCAB_CHUNK", None)
+    monkeypatch.setattr(ce, "FLCE_CHUNK_SIZE", None)
+    mib = 1 << 20
+    n, h, v = 16384, 4096, 152064
+    plan = flce_chunk_plan(n, h, v, torch.bfloat16, strategy="vocab", bias=True)
+    assert plan.strategy == "vocab" and plan.chunk_size % 256 == 0 and plan.chunk_size * n * 2 <= 256 * mib
+    assert plan.n_chunks * plan.chunk_size >= v and (plan.n_chunks - 1) * plan.chunk_size < v
+    assert plan.chunk_bytes == n * plan.chunk_size * 2 and plan.held_grad_hidden_bytes == 0
+    assert plan.accum_bytes == 4 * n * h + 4 * plan.chunk_size
+    assert plan.extra_bytes + 4 * v * h <= flce_chunk_plan(n, h, v, torch.bfloat16).extra_bytes  # saves dW's fp32
+    assert plan.extra_bytes <= 600 * mib
+    # fp32 hidden: its gradient is the accumulator; a small batch: one window of all V; windows of 256 at least
+    assert flce_chunk_plan(n, h, v, torch.float32, strategy="vocab").accum_bytes == 0
+    one = flce_chunk_plan(64, h, 1000, strategy="vocab")
+    assert (one.chunk_size, one.n_chunks) == (1000, 1)
+    huge = flce_chunk_plan(1 << 22, h, v, strategy="vocab")
+    assert huge.chunk_size == 256 and huge.n_chunks == -(-v // 256)
+    assert flce_chunk_plan(100, 16, 1000, strategy="vocab", chunk_size=300).n_chunks == 4
+    with pytest.raises(ValueError, match="'vocabulary'"):
+        flce_chunk_plan(100, 16, 1000, strategy="vocabulary")
+
+
+class _AllocSpy(TorchDispatchMode):
+    """Records (shape, dtype) of every tensor an aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((tuple(t.shape), t.dtype))
+        return out
+
+
+def test_vocab_allocates_no_weight_sized_fp32_tensor():
+    """bf16 inputs: "vocab" creates no fp32 tensor of V*H elements (or more), forward or backward; the
+    "tokens" loop does (its fp32 weight-gradient accumulator), which shows the spy sees allocations."""
+    v = 1000
+    hidden, weight, b = (t.detach() for t in _flce_case(torch.bfloat16, v, True, seed=85))
+    target = _targets(N_TOKENS, v, True, seed=86)
+    opts = (-100, 0.1, 1e-3, 3.0)
+    assert_triton_runs(hidden)
+
+    def big_fp32(seen):
+        return [s for s, dt in seen if dt == torch.float32 and torch.Size(s).numel() >= v * HIDDEN]
+
+    with _AllocSpy() as spy:
+        _, lse = ce._vocab_forward(hidden, weight, b, target, *opts)
+        dh, dw, db = ce._vocab_backward(hidden, weight, b, target, lse, torch.tensor(0.5), *opts, True, True, True)
+    assert (dh.dtype, dw.dtype, db.dtype) == (torch.bfloat16,) * 3
+    assert big_fp32(spy.seen) == [], "vocab allocated a (V, H)-sized fp32 tensor"
+    with _AllocSpy() as spy:
+        ce._flce_loop(hidden, weight, b, target, torch.tensor(0.5), None, *opts, True, True, True)
+    assert (v, HIDDEN) in big_fp32(spy.seen)
+
+
 # --------------------------------------------------------------------------------- misc behaviour
 def test_reference_path_is_used_without_triton(monkeypatch):
     """use_triton False (CPU without the interpreter): the public functions are the references."""
@@ -405,6 +505,9 @@ def test_bad_arguments_raise():
     with pytest.raises(TypeError, match="one dtype"):
         fused_linear_cross_entropy(torch.zeros(3, 4, device=DEVICE),
                                    torch.zeros(10, 4, device=DEVICE, dtype=torch.bfloat16), t)
+    with pytest.raises(ValueError, match="strategy.*'vocabulary'"):
+        fused_linear_cross_entropy(torch.zeros(3, 4, device=DEVICE), torch.zeros(10, 4, device=DEVICE), t,
+                                   strategy="vocabulary")
 
 
 def test_flce_custom_ops_trace_with_fake_tensors():
@@ -418,19 +521,27 @@ def test_flce_custom_ops_trace_with_fake_tensors():
     lse, g = randn(20, seed=92), randn(20, seed=93)
     torch.library.opcheck(torch.ops.ligermodels.flce_bwd.default,
                           (hidden, weight, None, target, lse, g, -100, 0.1, 1e-3, 3.0, True, True, False))
+    torch.library.opcheck(torch.ops.ligermodels.flce_vocab_fwd.default,
+                          (hidden, weight, b, target, -100, 0.1, 1e-3, 3.0))
+    torch.library.opcheck(torch.ops.ligermodels.flce_vocab_bwd.default,
+                          (hidden, weight, None, target, lse, g, -100, 0.1, 1e-3, 3.0, True, True, False))
+    torch.library.opcheck(torch.ops.ligermodels.flce_vocab_bwd.default,
+                          (hidden, weight, b, target, lse, scale, -100, 0.0, 0.0, 0.0, False, True, True))
 
 
-def test_flce_none_compiles_fullgraph_through_the_custom_ops():
+@pytest.mark.parametrize("strategy,reduction", [("tokens", "none"), ("vocab", "none"), ("vocab", "mean")])
+def test_flce_compiles_fullgraph_through_the_custom_ops(strategy, reduction):
     """Dynamo + AOTAutograd trace the public function, its autograd.Function and the FLCE custom ops with
-    fake tensors, no graph break. ("none" only: its forward and backward are custom ops with fake
-    implementations; triton_ops cannot be traced while the interpreter runs the kernels.)"""
+    fake tensors, no graph break. ("tokens" "none" and "vocab" only: their forward and backward are custom
+    ops with fake implementations; triton_ops cannot be traced while the interpreter runs the kernels.)"""
     hidden, weight, b = _flce_case(torch.float32, 300, True, seed=95)
     target = _targets(N_TOKENS, 300, True, seed=96)
     w_tok = torch.linspace(0, 1, N_TOKENS, device=DEVICE)
     assert_triton_runs(hidden)
 
     def f(h, w, bb):
-        return (fused_linear_cross_entropy(h, w, target, bb, softcap=3.0, reduction="none") * w_tok).sum()
+        loss = fused_linear_cross_entropy(h, w, target, bb, softcap=3.0, reduction=reduction, strategy=strategy)
+        return (loss * w_tok).sum()
 
     results = []
     for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
@@ -443,8 +554,9 @@ def test_flce_none_compiles_fullgraph_through_the_custom_ops():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the interpreter cannot take fake tensors")
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_compile_fullgraph_and_no_host_sync(dtype):
+def test_compile_fullgraph_and_no_host_sync(dtype, strategy):
     """torch.compile(fullgraph=True) traces both losses (no graph break) and matches eager; and no op
     synchronises the host with the device (CUDA sync debug mode turns any sync into an error)."""
     hidden, weight, b = _flce_case(dtype, 1000, True, seed=100)
@@ -454,8 +566,9 @@ def test_compile_fullgraph_and_no_host_sync(dtype):
     n_items = torch.tensor(40, device=DEVICE)
 
     def f(h, w, bb, x):
-        a = fused_linear_cross_entropy(h, w, target, bb, softcap=5.0, label_smoothing=0.1, num_items=n_items)
-        c = fused_linear_cross_entropy(h, w, target, bb, lse_square_scale=1e-3, reduction="none")
+        a = fused_linear_cross_entropy(h, w, target, bb, softcap=5.0, label_smoothing=0.1, num_items=n_items,
+                                       strategy=strategy)
+        c = fused_linear_cross_entropy(h, w, target, bb, lse_square_scale=1e-3, reduction="none", strategy=strategy)
         d = cross_entropy(x, t2, label_smoothing=0.1, reduction="none")
         return a + (c * torch.linspace(0, 1, c.numel(), device=DEVICE)).sum() + cross_entropy(x, t2) + d.sum()
 

@@ -4,7 +4,8 @@ Each rank takes half of the tokens; ``num_items`` is the global non-ignored coun
 device with ``all_reduce`` (no host read). The loss summed over ranks and the gathered gradients
 (``full_tensor()``) must equal one rank computing the plain mean loss over the whole batch. The
 ranks run the Triton kernels through the interpreter (``TRITON_INTERPRET=1`` is set in each child
-before ``kernels`` is imported), in fp32, with a small chunk so each rank runs several chunks.
+before ``kernels`` is imported), in fp32, with a small chunk (and vocabulary window) so each rank
+runs several chunks (windows); both FLCE strategies.
 
 On a CUDA machine the same CPU/gloo run uses the PyTorch reference of the loss instead: the kernels
 are checked natively on the GPU by the other tests, and the interpreter of triton 3.6 (the GPU
@@ -31,8 +32,9 @@ def _free_port() -> int:
 class _LMHead(torch.nn.Module):
     """A Linear trunk, then a (V, H) head weight and bias used only through the fused loss."""
 
-    def __init__(self):
+    def __init__(self, strategy: str = "tokens"):
         super().__init__()
+        self.strategy = strategy
         self.trunk = torch.nn.Linear(H, H)
         self.weight = torch.nn.Parameter(torch.randn(V, H) * 0.3)
         self.bias = torch.nn.Parameter(torch.randn(V) * 0.1)
@@ -42,10 +44,11 @@ class _LMHead(torch.nn.Module):
 
         hidden = torch.tanh(self.trunk(x))
         return fused_linear_cross_entropy(hidden, self.weight, target, self.bias, label_smoothing=0.1,
-                                          lse_square_scale=1e-3, softcap=8.0, num_items=num_items)
+                                          lse_square_scale=1e-3, softcap=8.0, num_items=num_items,
+                                          strategy=self.strategy)
 
 
-def _worker(rank: int, port: int, interpret: bool) -> None:
+def _worker(rank: int, port: int, interpret: bool, strategy: str) -> None:
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before kernels is imported in this process
     import copy
@@ -61,8 +64,9 @@ def _worker(rank: int, port: int, interpret: bool) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         ce.FLCE_CHUNK_SIZE = 8  # 21 tokens per rank -> chunks of 8, 8, 5
+        ce.FLCE_VOCAB_CHUNK = 64  # "vocab": V = 203 -> windows of 64, 64, 64, 11
         torch.manual_seed(0)
-        model = _LMHead()
+        model = _LMHead(strategy)
         ref = copy.deepcopy(model)
         x = torch.randn(WORLD * N_PER_RANK, H)
         target = torch.randint(0, V, (WORLD * N_PER_RANK,))
@@ -96,5 +100,7 @@ def _worker(rank: int, port: int, interpret: bool) -> None:
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-def test_fsdp2_sharded_head_matches_single_rank():
-    mp.spawn(_worker, args=(_free_port(), not torch.cuda.is_available()), nprocs=WORLD, join=True)
+@pytest.mark.parametrize("strategy", ["tokens", "vocab"])
+def test_fsdp2_sharded_head_matches_single_rank(strategy):
+    """"vocab" saves the (resharded after forward) head weight for its backward; "tokens" "mean" does not."""
+    mp.spawn(_worker, args=(_free_port(), not torch.cuda.is_available(), strategy), nprocs=WORLD, join=True)
