@@ -109,9 +109,12 @@ def kernels_table(d: dict) -> str:
 
 
 def flce_table(d: dict) -> str:
-    lines = [f"Fused linear cross-entropy, N={d.get('N')} tokens, H={d.get('H')}, bf16, fwd+bwd, on {_env(d)}. "
+    n, h = d.get("tokens", d.get("N")), d.get("hidden", d.get("H"))
+    lines = [f"Fused linear cross-entropy, N={n} tokens, H={h}, bf16, fwd+bwd, on {_env(d)}. "
              f"Matmul rate measured in the same run: {d.get('matmul_tflops', float('nan')):.0f} TFLOP/s; the floor is "
-             "the three GEMMs (6·N·H·V flops) at that rate.", "",
+             "the three GEMMs (6·N·H·V flops) at that rate (the vocab strategy runs a fourth, so its own floor is "
+             "4/3 of that). Peak extra memory: peak allocated during one forward+backward, minus the inputs and the "
+             "gradients it returns. `-2GiB` / `-512MiB`: other chunk budgets.", "",
              "| V | impl | ms | x floor | peak extra memory (GB) |", "|---|---|---|---|---|"]
     for r in d["rows"]:
         if "error" in r or "skipped" in r:

@@ -462,13 +462,14 @@ def test_vocab_allocates_no_weight_sized_fp32_tensor():
     def big_fp32(seen):
         return [s for s, dt in seen if dt == torch.float32 and torch.Size(s).numel() >= v * HIDDEN]
 
+    half = torch.tensor(0.5, device=DEVICE)
     with _AllocSpy() as spy:
         _, lse = ce._vocab_forward(hidden, weight, b, target, *opts)
-        dh, dw, db = ce._vocab_backward(hidden, weight, b, target, lse, torch.tensor(0.5), *opts, True, True, True)
+        dh, dw, db = ce._vocab_backward(hidden, weight, b, target, lse, half, *opts, True, True, True)
     assert (dh.dtype, dw.dtype, db.dtype) == (torch.bfloat16,) * 3
     assert big_fp32(spy.seen) == [], "vocab allocated a (V, H)-sized fp32 tensor"
     with _AllocSpy() as spy:
-        ce._flce_loop(hidden, weight, b, target, torch.tensor(0.5), None, *opts, True, True, True)
+        ce._flce_loop(hidden, weight, b, target, half, None, *opts, True, True, True)
     assert (v, HIDDEN) in big_fp32(spy.seen)
 
 
