@@ -94,8 +94,9 @@ class CausalLM(nn.Module):
         ``labels`` (B, S) are aligned with ``input_ids`` and shifted here: position t predicts
         ``labels[:, t + 1]``; ``ignore_index`` marks tokens without loss. The mean is over the
         non-ignored tokens, or over ``num_items`` when given (gradient accumulation / data
-        parallelism). ``loss_options`` (label_smoothing, lse_square_scale, softcap, reduction) go to
-        :func:`kernels.fused_linear_cross_entropy`.
+        parallelism). ``loss_options`` (label_smoothing, lse_square_scale, softcap, reduction, strategy) go
+        to :func:`kernels.fused_linear_cross_entropy`; ``strategy="vocab"`` trades one more GEMM of the
+        head for no fp32 (V, H) weight-gradient buffer.
         """
         h = self.hidden_states(input_ids, position_ids, document_ids)
         target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)

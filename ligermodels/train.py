@@ -88,7 +88,7 @@ class TrainError(RuntimeError):
 #: Defaults shared by every run; then those of the demo or of a run on ``--model`` / ``--data``.
 COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=1.0,
                        seed=0, ac="none", keep_checkpoints=3, resume=False, overwrite=False,
-                       from_scratch=False)
+                       from_scratch=False, loss_strategy="tokens")
 DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20, save_every=200,
                      log_every=50)
 RUN_DEFAULTS = dict(out=None, seq_len=None, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500,
@@ -125,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--overwrite", action="store_true", default=None, help="delete a previous run's checkpoints/metrics in --out")
     a("--ac", choices=("none", "full", "selective"),
       help="activation checkpointing per layer: full recomputes the layer; selective keeps matmul/attention outputs")
+    a("--loss-strategy", choices=("tokens", "vocab"),
+      help="loss head (kernels.fused_linear_cross_entropy): tokens = fastest; vocab = one more GEMM, "
+           "no fp32 (vocab, hidden) weight-gradient buffer (less memory for large vocabularies)")
     a("--dtype", choices=("bf16", "fp32"), help="compute dtype (master weights are fp32); default bf16 on cuda")
     a("--device", choices=("cuda", "cpu"), help="default cuda when present (NCCL), else cpu (gloo)")
     a("--log-every", type=int, help="print a progress line every N steps (metrics.jsonl gets every step)")
@@ -541,7 +544,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         for input_ids, labels, positions in micro:
             input_ids, labels, positions = (t.to(device, non_blocking=True) for t in (input_ids, labels, positions))
             loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
-                              document_ids=document_ids_from_positions(positions))
+                              document_ids=document_ids_from_positions(positions), strategy=args.loss_strategy)
             (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
             loss_sum += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)

@@ -242,6 +242,8 @@ def test_config_file_stands_for_flags(tmp_path):
                                "ac": "selective"}))
     args = parse_args(["--config", str(cfg), "--lr", "0.1"])
     assert (args.model, args.seq_len, args.lr, args.ac, args.grad_accum) == ("m", 16, 0.1, "selective", 1)
+    assert args.loss_strategy == "tokens"
+    assert parse_args(["--config", str(cfg), "--loss-strategy", "vocab"]).loss_strategy == "vocab"
     cfg.write_text(json.dumps({"learning_rate": 1.0}))
     with pytest.raises(SystemExit):
         parse_args(["--config", str(cfg)])
