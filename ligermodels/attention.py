@@ -2,7 +2,11 @@
 document masking, through PyTorch's fused attention kernels.
 
 * Plain causal attention (no window shorter than the sequence, no document boundaries) goes to
-  ``scaled_dot_product_attention(is_causal=True)``: flash or cuDNN on the GPU, never a mask tensor.
+  ``scaled_dot_product_attention(is_causal=True)``, never a mask tensor, with the backends tried in
+  the order ``SDPA_BACKENDS``: cuDNN's fused attention first. PyTorch 2.11 already picks it for these
+  calls on an H100; the order pins that choice across PyTorch versions. Forcing the flash backend
+  instead made a Llama-3.2-1B training step 4% slower (benchmarks/results/e2e-*-2026-11-23.json).
+  A backend that cannot take a call falls through to the next one.
   Grouped-query attention uses ``enable_gqa``, so k/v are never repeated in memory.
 * A sliding window shorter than the sequence, or packed documents (attention must not cross a
   document boundary), need a mask. On CUDA, for sequences longer than one FlexAttention block
@@ -17,10 +21,12 @@ the same document (HF's sliding-window convention: the window counts the query i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass
@@ -78,6 +84,24 @@ class AttentionMask:
         return self.cache[key]
 
 
+_BACKEND_NAMES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def _sdpa_backends(spec: str) -> list[SDPBackend]:
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in _BACKEND_NAMES]
+    if unknown or not names:
+        raise ValueError(f"LIGERMODELS_SDPA_BACKENDS={spec!r}: unknown backend(s) {unknown}; "
+                         f"choose a comma-separated order of {sorted(_BACKEND_NAMES)}")
+    return [_BACKEND_NAMES[n] for n in names]
+
+
+#: The order in which SDPA backends are tried for plain causal attention (env LIGERMODELS_SDPA_BACKENDS,
+#: e.g. "flash,efficient,math" for PyTorch's default choice). Only these backends are allowed.
+SDPA_BACKENDS: list[SDPBackend] = _sdpa_backends(os.environ.get("LIGERMODELS_SDPA_BACKENDS",
+                                                                "cudnn,flash,efficient,math"))
+
 _compiled_flex = None
 
 #: Sequences up to this length use the dense mask even on CUDA: one FlexAttention block covers them.
@@ -108,8 +132,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     gqa = q.shape[2] != k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is None or not mask.needs_mask(window):
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,
-                                           enable_gqa=gqa)
+        with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,
+                                               enable_gqa=gqa)
     elif q.is_cuda and dropout_p == 0.0 and q.shape[1] > FLEX_MIN_SEQ:
         o = _flex_attention(qt, kt, vt, mask.block_mask(window, q.shape[0], q.device), scale, gqa)
     else:

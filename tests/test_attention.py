@@ -1,0 +1,106 @@
+"""Causal attention (ligermodels.attention): every path against a float64 dense reference.
+
+On the GPU the plain causal path runs cuDNN's fused attention (tried first, see ``SDPA_BACKENDS``),
+sequences longer than one FlexAttention block with a window or documents run FlexAttention, and
+the rest a dense mask through SDPA; on the CPU every path is SDPA. Inputs are strided views of one
+packed q/k/v projection, as the decoder layer passes them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ligermodels import attention
+from ligermodels.attention import AttentionMask, causal_attention
+from tests.utils import DEVICE, assert_rel, randn, rel_err
+
+CASES = {  # name: (batch, seq, q heads, kv heads, head_dim, window, documents)
+    "causal_gqa_d64": (2, 37, 6, 2, 64, None, False),
+    "causal_mha_d96": (1, 29, 3, 3, 96, None, False),
+    "window_gqa": (2, 41, 4, 1, 64, 9, False),
+    "documents_gqa_d96": (2, 33, 4, 2, 96, None, True),
+}
+if DEVICE.type == "cuda":  # longer than one FlexAttention block: the block-sparse path
+    CASES |= {"causal_long": (2, 300, 8, 2, 128, None, False), "window_documents_long": (1, 300, 4, 2, 64, 50, True)}
+
+
+def reference(q, k, v, window, doc):
+    """Dense float64 attention with repeated k/v: (B, S, Hq, D)."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q.shape[2]
+    pos = torch.arange(s, device=q.device)
+    ok = pos[None, :] <= pos[:, None]
+    if window is not None:
+        ok &= pos[:, None] - pos[None, :] < window
+    ok = ok[None, None]
+    if doc is not None:
+        ok = ok & (doc[:, None, :, None] == doc[:, None, None, :])
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    p = scores.masked_fill(~ok, float("-inf")).softmax(-1)
+    return (p @ v).transpose(1, 2)
+
+
+def _documents(batch, seq):
+    doc = torch.zeros(batch, seq, dtype=torch.long)
+    for b in range(batch):  # boundaries differ per row; a document of one token included
+        for cut in (5 + 3 * b, 6 + 3 * b, seq // 2 + b):
+            doc[b, cut:] += 1
+    return doc.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_causal_attention_matches_float64_forward_and_gradients(case, dtype):
+    b, s, hq, hkv, d, window, docs = CASES[case]
+    qkv = randn(b, s, (hq + 2 * hkv) * d, dtype=dtype).requires_grad_()
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in (q, k, v))
+    doc = _documents(b, s) if docs else None
+    mask = AttentionMask(s, doc) if (docs or window is not None) else None
+    out = causal_attention(q, k, v, mask=mask, window=window)
+    grad = randn(*out.shape, dtype=dtype)
+    (out * grad).sum().backward()
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, window, doc)
+    (ref * grad.double()).sum().backward()
+    # Grouped-query gradients sum over the group: compare them through the whole qkv gradient.
+    ref_grad = torch.cat([t.grad.flatten(-2) for t in (q64, k64, v64)], dim=-1)
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_rel(out, ref, dtype, f"{case} output", bound)
+    assert_rel(qkv.grad, ref_grad, dtype, f"{case} d(qkv)", bound)
+    if dtype == torch.bfloat16:  # no worse than PyTorch's math backend doing the same in bf16, with margin
+        q16, k16, v16 = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        g = hq // hkv
+        eager = torch.nn.functional.scaled_dot_product_attention(
+            q16, k16.repeat_interleave(g, 1), v16.repeat_interleave(g, 1),
+            attn_mask=(AttentionMask(s, doc).allowed(window, DEVICE)))
+        assert rel_err(out, ref) <= 1.5 * rel_err(eager.transpose(1, 2), ref) + 1e-3
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda" or not torch.backends.cudnn.is_available(), reason="cuDNN needs CUDA")
+def test_plain_causal_bf16_runs_cudnn_attention():
+    qkv = randn(2, 256, 12 * 64, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (t.unflatten(-1, (-1, 64)) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
+    out = causal_attention(q, k, v)
+    assert "Cudnn" in type(out.grad_fn.next_functions[0][0]).__name__ or "Cudnn" in str(out.grad_fn), \
+        f"plain causal attention ran {out.grad_fn} / {out.grad_fn.next_functions}, not cuDNN"
+
+
+def test_unknown_backend_in_env_is_rejected_with_its_name():
+    env = {**os.environ, "LIGERMODELS_SDPA_BACKENDS": "cudnn,flashy"}
+    p = subprocess.run([sys.executable, "-c", "import ligermodels.attention"], env=env, capture_output=True,
+                       text=True)
+    assert p.returncode != 0 and "LIGERMODELS_SDPA_BACKENDS" in p.stderr and "flashy" in p.stderr, p.stderr[-500:]
+
+
+def test_backend_order_is_parsed_from_the_env_spelling():
+    assert attention._sdpa_backends("flash, math") == [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+                                                       torch.nn.attention.SDPBackend.MATH]
