@@ -260,8 +260,9 @@ def run_worker(impl: str, model: str, batch: int, args, profile: str | None = No
     return row
 
 
-def max_batch(impl: str, model: str, args, start: int) -> int:
-    """Largest batch (of 1, 2, ...) that runs two steps without running out of memory: doubling then bisection."""
+def max_batch(impl: str, model: str, args, start: int) -> tuple[int, int]:
+    """(largest batch that ran two steps, smallest that ran out of memory): doubling from ``start``, then
+    bisection until the gap is at most 1/8 of the batch that fits."""
     fits, lo = 0, start
 
     def ok(b):
@@ -280,7 +281,7 @@ def max_batch(impl: str, model: str, args, start: int) -> int:
             lo = mid
         else:
             hi = mid
-    return lo
+    return lo, hi
 
 
 def summary(r: dict) -> str:
@@ -306,7 +307,7 @@ def merge(path: str, rows: list[dict], extra: dict) -> None:
 
     def key(r):
         return (r["impl"], r.get("variant"), r["model"], r["batch"], r.get("activation_checkpointing", False),
-                r.get("max_batch", False), r.get("flce_strategy"))
+                r.get("max_batch", False), r.get("flce_strategy"), r.get("sdpa_backends"))
 
     new = {key(r) for r in rows}
     data["rows"] = [r for r in data["rows"] if key(r) not in new] + rows
@@ -325,7 +326,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--ac", action="store_true", help="full activation checkpointing (every implementation)")
-    ap.add_argument("--profile", action="store_true", help="profile ligermodels' step: op-category budget text")
+    ap.add_argument("--profile", action="store_true", help="profile each impl's step: op-category budget text")
     ap.add_argument("--max-batch", action="store_true", help="find the largest batch each impl fits")
     ap.add_argument("--timeout", type=int, default=400)
     ap.add_argument("--out", default=RESULTS)
@@ -342,6 +343,8 @@ def main() -> None:
         row = measure(impl, model, int(batch), args.seq, args.steps, args.warmup, args.ac, args.profile_to)
         if FLCE_STRATEGY and impl.startswith("ligermodels"):
             row["flce_strategy"] = FLCE_STRATEGY
+        if os.environ.get("LIGERMODELS_SDPA_BACKENDS") and impl.startswith("ligermodels"):
+            row["sdpa_backends"] = os.environ["LIGERMODELS_SDPA_BACKENDS"]  # an A/B run of the attention backend
         print(json.dumps(row), flush=True)
         return
 
@@ -352,11 +355,11 @@ def main() -> None:
         model, _, batch = run.partition(":")
         for impl in args.impls:
             if args.max_batch:
-                b = max_batch(impl, model, args, int(batch or 4))
-                row = {**base_row(impl, model, b, args.seq, args.ac), "max_batch": True}
+                b, oom = max_batch(impl, model, args, int(batch or 4))
+                row = {**base_row(impl, model, b, args.seq, args.ac), "max_batch": True, "first_oom_batch": oom}
             else:
                 prof = None
-                if args.profile and impl.startswith("ligermodels"):
+                if args.profile:
                     prof = os.path.join(args.out, f"e2e-profile-{impl.replace('+', '-')}-{model}-b{batch}.txt")
                 row = run_worker(impl, model, int(batch), args, prof)
             if args.flce_strategy and impl.startswith("ligermodels"):

@@ -28,18 +28,32 @@ def _latest(prefix: str) -> dict | None:
     return data
 
 
-def _latest_per_gpu(prefix: str) -> list[dict]:
-    """The newest ``<prefix>-<gpu>-<date>.json`` of each GPU, the GPU with the most rows first."""
-    newest: dict[str, str] = {}
-    for f in sorted(glob.glob(os.path.join(RESULTS, f"{prefix}-*.json")), key=os.path.getmtime):
-        newest[os.path.basename(f)[len(prefix) + 1:].rsplit("-", 3)[0]] = f
-    out = []
-    for f in newest.values():
+def _e2e_runs() -> list[dict]:
+    """End-to-end runs to show: per GPU, each ``e2e-<gpu>-<date>.json`` newest first, keeping only the shapes
+    (model, batch, activation checkpointing; or a model's max-batch search) that no newer file of that GPU
+    measured. Each table is then one run's comparison in the same lease, and a newer run supersedes an older
+    one shape by shape. GPUs with the most rows first."""
+    by_gpu: dict[str, list[dict]] = {}
+    for f in glob.glob(os.path.join(RESULTS, "e2e-*.json")):
         with open(f) as fh:
             data = json.load(fh)
         data["_file"] = os.path.relpath(f, ROOT)
-        out.append(data)
-    return sorted(out, key=lambda d: -len(d.get("rows", [])))
+        by_gpu.setdefault(data.get("gpu", "?"), []).append(data)
+
+    def shape(r):
+        return (r["model"], "max" if r.get("max_batch") else r["batch"], r.get("activation_checkpointing", False))
+
+    out = []
+    for runs in by_gpu.values():
+        seen: set = set()
+        kept = []
+        for data in sorted(runs, key=lambda d: (d.get("date", ""), d["_file"]), reverse=True):
+            rows = [r for r in data["rows"] if shape(r) not in seen]
+            seen |= {shape(r) for r in data["rows"]}
+            if rows:
+                kept.append({**data, "rows": rows})
+        out.append(kept)
+    return [d for kept in sorted(out, key=lambda k: -sum(len(d["rows"]) for d in k)) for d in kept]
 
 
 def _env(d: dict) -> str:
@@ -126,9 +140,10 @@ def flce_table(d: dict) -> str:
 
 
 def _e2e_variant(r: dict) -> str:
-    """eager / compile, plus the loss-head strategy when the run chose one."""
+    """eager / compile, plus the loss-head strategy and the SDPA backend order when the run chose them."""
     v = r.get("variant", "")
-    return v + (f", loss head: {r['flce_strategy']}" if r.get("flce_strategy") else "")
+    v += f", loss head: {r['flce_strategy']}" if r.get("flce_strategy") else ""
+    return v + (f", attention: {r['sdpa_backends']}" if r.get("sdpa_backends") else "")
 
 
 def e2e_table(d: dict) -> str:
@@ -139,7 +154,8 @@ def e2e_table(d: dict) -> str:
         k = (r["model"], r["batch"], r["impl"])
         if "tokens_per_s" in r and (k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]):
             best[k] = r
-    lines = [f"One training step (forward + backward + fused AdamW, bf16 weights), seq {rows[0].get('seq', 2048)}, "
+    seq = (rows or d["rows"])[0].get("seq", 2048)
+    lines = [f"One training step (forward + backward + fused AdamW, bf16 weights), seq {seq}, "
              f"median of timed steps, on {_env(d)}. MFU against 989 TFLOP/s; memory is peak allocated (GB = 1e9 B). "
              "The last two columns compare each ligermodels variant with the faster variant of HF + Liger-Kernel "
              "and of HF + torch.compile in the same run (speed: >1 is faster; memory: <1 is less). "
@@ -169,8 +185,13 @@ def e2e_table(d: dict) -> str:
         lines.append(f"{head} {r['tokens_per_s']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} | {vs[0]} | {vs[1]} |")
     fits = [r for r in d["rows"] if r.get("max_batch")]
     if fits:
-        lines += ["", "Largest batch that fits (seq 2048): " + ", ".join(
-            f"{r['model']} {r['impl']} ({r.get('variant', '')}) {r['batch']}" for r in fits) + "."]
+        if not rows:
+            lines = [f"On {_env(d)}:"]
+        lines += ["", "Largest batch that runs a step (seq 2048; doubling, then bisection until the first batch that "
+                  "ran out of memory is within 1/8 above it): " + ", ".join(
+                      f"{r['model']} {r['impl']} ({r.get('variant', '')}) {r['batch']}"
+                      + (f" ({r['first_oom_batch']} ran out of memory)" if r.get("first_oom_batch") else "")
+                      for r in fits) + "."]
     return "\n".join(lines)
 
 
@@ -232,10 +253,12 @@ def decode_table(d: dict) -> str:
 
 def tables(e2e_pngs: dict[str, str] | None = None) -> str:
     parts = []
-    for d in _latest_per_gpu("e2e"):
+    runs = _e2e_runs()
+    for d in runs:
         parts.append(e2e_table(d))
-        if e2e_pngs and d["_file"] in e2e_pngs:
-            parts.append(f"![training step: tokens/s and peak memory]({os.path.relpath(e2e_pngs[d['_file']], ROOT)})")
+    if e2e_pngs:
+        parts += [f"![training step: tokens/s and peak memory on {gpu}]({os.path.relpath(png, ROOT)})"
+                  for gpu, png in e2e_pngs.items()]
     for prefix, fn in (("kernels", kernels_table), ("flce", flce_table), ("decode", decode_table),
                        ("fsdp", fsdp_table)):
         d = _latest(prefix)
@@ -249,10 +272,15 @@ def main() -> None:
     ap.add_argument("--print", action="store_true", help="print instead of rewriting README.md")
     args = ap.parse_args()
     pngs = {}
-    for d in _latest_per_gpu("e2e")[:1] if not args.print else []:  # the main comparison gets a plot
-        png = e2e_plot(d, os.path.join(RESULTS, os.path.basename(d["_file"]).replace(".json", ".png")))
+    runs = _e2e_runs()
+    if runs and not args.print:  # the main GPU's shapes, each from its newest run, in one plot
+        main_gpu = runs[0]["gpu"]
+        shown = [d for d in runs if d["gpu"] == main_gpu]
+        dates = sorted({d["date"] for d in shown})
+        png = e2e_plot({"gpu": main_gpu, "date": ", ".join(dates), "rows": [r for d in shown for r in d["rows"]]},
+                       os.path.join(RESULTS, os.path.basename(shown[0]["_file"]).replace(".json", ".png")))
         if png:
-            pngs[d["_file"]] = png
+            pngs[main_gpu] = png
     text = tables(pngs)
     if args.print:
         print(text)
