@@ -221,9 +221,10 @@ def e2e_plot(d: dict, path: str) -> str | None:
                          strict=True):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], [f"{m}\nbatch {b}" for m, b in shapes])
         ax.set_title(title)
-    axes[0].legend(fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4, frameon=False)
     fig.suptitle(f"Training step, seq 2048, {d['gpu']} ({d['date']})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # room below the axes for the legend
     fig.savefig(path, dpi=110)
     return path
 
