@@ -252,9 +252,9 @@ def decode_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def tables(e2e_pngs: dict[str, str] | None = None) -> str:
+def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
+    """The README's performance section: ``runs`` from ``_e2e_runs()``, then the latest of each other benchmark."""
     parts = []
-    runs = _e2e_runs()
     for d in runs:
         parts.append(e2e_table(d))
     if e2e_pngs:
@@ -282,7 +282,7 @@ def main() -> None:
                        os.path.join(RESULTS, os.path.basename(shown[0]["_file"]).replace(".json", ".png")))
         if png:
             pngs[main_gpu] = png
-    text = tables(pngs)
+    text = tables(runs, pngs)
     if args.print:
         print(text)
         return

@@ -8,10 +8,6 @@ packed q/k/v projection, as the decoder layer passes them.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -76,7 +72,7 @@ def test_causal_attention_matches_float64_forward_and_gradients(case, dtype):
     bound = 1e-5 if dtype == torch.float32 else 1e-2
     assert_rel(out, ref, dtype, f"{case} output", bound)
     assert_rel(qkv.grad, ref_grad, dtype, f"{case} d(qkv)", bound)
-    if dtype == torch.bfloat16:  # no worse than PyTorch's math backend doing the same in bf16, with margin
+    if dtype == torch.bfloat16:  # no worse than PyTorch's SDPA on a dense mask with repeated k/v, in bf16
         q16, k16, v16 = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         g = hq // hkv
         eager = torch.nn.functional.scaled_dot_product_attention(
@@ -90,15 +86,13 @@ def test_plain_causal_bf16_runs_cudnn_attention():
     qkv = randn(2, 256, 12 * 64, dtype=torch.bfloat16).requires_grad_()
     q, k, v = (t.unflatten(-1, (-1, 64)) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
     out = causal_attention(q, k, v)
-    assert "Cudnn" in type(out.grad_fn.next_functions[0][0]).__name__ or "Cudnn" in str(out.grad_fn), \
-        f"plain causal attention ran {out.grad_fn} / {out.grad_fn.next_functions}, not cuDNN"
+    sdpa = type(out.grad_fn.next_functions[0][0]).__name__  # out is a transposed view of the SDPA output
+    assert "Cudnn" in sdpa, f"plain causal attention ran {sdpa}, not cuDNN"
 
 
 def test_unknown_backend_in_env_is_rejected_with_its_name():
-    env = {**os.environ, "LIGERMODELS_SDPA_BACKENDS": "cudnn,flashy"}
-    p = subprocess.run([sys.executable, "-c", "import ligermodels.attention"], env=env, capture_output=True,
-                       text=True)
-    assert p.returncode != 0 and "LIGERMODELS_SDPA_BACKENDS" in p.stderr and "flashy" in p.stderr, p.stderr[-500:]
+    with pytest.raises(ValueError, match=r"LIGERMODELS_SDPA_BACKENDS=.*flashy"):
+        attention._sdpa_backends("cudnn,flashy")
 
 
 def test_backend_order_is_parsed_from_the_env_spelling():
