@@ -16,6 +16,8 @@ it leaves (hidden.grad, weight.grad). Implementations, one after another in this
   tune ``FLCE_VOCAB_BUDGET_BYTES``);
 * ``eager``: ``F.cross_entropy(F.linear(hidden, weight).float(), target)`` (the Hugging Face recipe);
 * ``compile``: the same under ``torch.compile``;
+* with the ``ligermodels`` row, ``gemms_only_ms``: only the three GEMMs of "tokens" at its chunk shapes
+  (cuBLAS, fp32 weight-gradient accumulation, no loss kernel), and ``overhead_ms``, the rest of our time;
 * ``liger`` / ``liger-fp32acc``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (default, and with
   ``accum_dtype=torch.float32`` where that version has it), when ``liger_kernel`` is importable.
 
@@ -28,6 +30,7 @@ floor (one more GEMM) and peak extra memory below Liger's. Writes ``flce-<gpu>-<
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import traceback
 
@@ -103,6 +106,23 @@ def _peak_extra_bytes(fn, hidden, weight, target) -> int:
     return peak - base - grads
 
 
+def _gemms_only(hidden, weight, target) -> None:
+    """The three GEMMs of the "tokens" strategy at its chunk shapes, nothing else (no loss kernel, no
+    casts): logits = h @ W.T, dh = dlogits @ W, dW (+)= dlogits.T @ h with fp32 accumulation. What
+    cuBLAS alone takes for our GEMMs, against which the rest of our time is overhead."""
+    n, h_size = hidden.shape
+    c = ce.flce_chunk_plan(n, h_size, weight.shape[0], hidden.dtype).chunk_size
+    acc = torch.empty(weight.shape, dtype=torch.float32, device=hidden.device)
+    buf = torch.empty(min(c, n), weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    dh = torch.empty_like(hidden)
+    with torch.no_grad():
+        for s in range(0, n, c):
+            hc, logits = hidden[s:s + c], buf[: min(c, n - s)]
+            torch.mm(hc, weight.t(), out=logits)
+            torch.mm(logits, weight, out=dh[s:s + c])
+            ce._accumulate_fp32(acc, logits.t(), hc, beta=0.0 if s == 0 else 1.0)
+
+
 def _time_ms(fn, hidden, weight, target) -> float:
     def step():
         fn(hidden, weight, target).backward()
@@ -156,6 +176,14 @@ def main() -> None:
                                "predicted_extra_gb": round(plan.extra_bytes / 1e9, 3)}
         for name, fn in impls.items():
             rows.append(_measure(name, fn, n, h, v, floor_ms, ours_info.get(name)))
+        ours = next(r for r in rows if r["impl"] == "ligermodels" and r["V"] == v)
+        if "ms" in ours:
+            hidden, weight, target = _inputs(n, h, v)
+            gemm_ms = bench_ms(functools.partial(_gemms_only, hidden, weight, target), warmup=500, rep=3000)
+            ours.update(gemms_only_ms=round(gemm_ms, 3), overhead_ms=round(ours["ms"] - gemm_ms, 3),
+                        gemms_only_ratio_to_floor=round(gemm_ms / floor_ms, 3))
+            del hidden, weight, target
+            torch.cuda.empty_cache()
         default_budget = ce.FLCE_CHUNK_BUDGET_BYTES
         for gib in args.budgets_gib:
             ce.FLCE_CHUNK_BUDGET_BYTES = int(gib * GIB)

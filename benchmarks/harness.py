@@ -15,6 +15,8 @@ What the kernel benchmark measures, per op and pass (``time_fwd_bwd`` / ``compar
   short, this is the host's time to issue the call, not the GPU's; ``wall_ms`` much above ``ms`` means
   the op is host bound at that shape (it matters in a step only where the CPU cannot run ahead).
 * ``launches``: device events (kernels, memcpys, memsets) per call, from the same profile.
+* ``frac_same_size_copy``: the kernel time of a device copy moving the same bytes, divided by ``ms``
+  (1.0: as fast as copying that many bytes; see :func:`same_size_copy_ms`).
 
 Achieved bandwidth counts the fewest bytes an op must move (each input read once, each output
 written once), against the device's copy bandwidth measured in the same run, also as kernel time.
@@ -167,6 +169,18 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+@functools.cache
+def same_size_copy_ms(nbytes: int) -> float:
+    """Kernel time of a device-to-device copy that moves ``nbytes`` (half read, half written), cold L2.
+
+    The context for small ops: a copy of a few tens of MB does not reach the large-buffer copy
+    bandwidth either (launch, ramp-up and tail are a larger share), so an op's time is also compared
+    with a copy moving the same bytes."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return kernel_ms(lambda: dst.copy_(src), reps=20)
+
+
 def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
     """Dense bf16 matmul rate in TFLOP/s on random (n, n) operands (wall time)."""
     a = torch.randn(n, n, device="cuda", dtype=dtype)
@@ -266,9 +280,11 @@ def compare_impls(op: str, shape: str, dtype: torch.dtype, impls: dict[str, Call
             continue
         for pas, t, nbytes in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes)):
             gbs = nbytes / t.ms / 1e6 if t.ms > 0 else float("nan")
+            same = same_size_copy_ms(nbytes)
             row = {**base, "pass": pas, "ms": round(t.ms, 5), "wall_ms": round(t.wall_ms, 5),
                    "launches": round(t.launches, 2), "timing": "cuda-kernels", "bytes": nbytes,
-                   "gbs": round(gbs, 1), "frac_copy_bw": round(gbs / copy_gbs, 3)}
+                   "gbs": round(gbs, 1), "frac_copy_bw": round(gbs / copy_gbs, 3),
+                   "same_size_copy_ms": round(same, 5), "frac_same_size_copy": round(same / t.ms, 3)}
             if t.method:
                 row["bwd_method"] = t.method
             rows.append(row)

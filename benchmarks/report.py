@@ -84,6 +84,8 @@ def kernels_table(d: dict) -> str:
         a["from_run"].append(ours.get("from_run") or d["date"])
         a["gbs"].append(ours["gbs"])
         a["bw"].append(ours["frac_copy_bw"])
+        if "frac_same_size_copy" in ours:
+            a["same"].append(ours["frac_same_size_copy"])
         a["wall"].append(ours["wall_ms"] if kernel else ours["ms"])
         if "compile" in impls:
             a["compile_bw"].append(impls["compile"]["frac_copy_bw"])
@@ -102,10 +104,13 @@ def kernels_table(d: dict) -> str:
                   "where the CPU runs ahead); the last column is our wall time per call with the CPU launching "
                   "it (host overhead included).")
     lines = [f"Kernels, bf16, on {_env(d)}. Copy bandwidth measured in the same run: {d['copy_gbs']:.0f} GB/s. "
-             f"{timing} Bandwidth counts the fewest bytes each op must move; speed-ups are time ratios "
+             f"{timing} Bandwidth counts the fewest bytes each op must move; a same-size copy is a device copy "
+             "moving those bytes, timed the same way (small copies do not reach the large-buffer bandwidth "
+             "either); speed-ups are time ratios "
              "(>1: ours faster); min-max over the shapes in the JSON.", "",
-             "| op | pass | ours, GB/s | ours, % of copy bandwidth | torch.compile, % of copy bandwidth | vs eager "
-             "| vs torch.compile | ours, wall ms |", "|---|---|---|---|---|---|---|---|"]
+             "| op | pass | ours, GB/s | ours, % of copy bandwidth | ours, % of a same-size copy "
+             "| torch.compile, % of copy bandwidth | vs eager | vs torch.compile | ours, wall ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def rng(v, fmt):
         return "n/a" if not v else (fmt.format(min(v)) + ("" if len(v) == 1 else " - " + fmt.format(max(v))))
@@ -113,6 +118,7 @@ def kernels_table(d: dict) -> str:
     for (op, pas), a in sorted(agg.items()):
         mark = " \\*" if (op, pas) in wall_only and not all_wall else ""
         lines.append(f"| {op}{mark} | {pas} | {rng(a['gbs'], '{:.0f}')} | {rng([100 * x for x in a['bw']], '{:.0f}%')} "
+                     f"| {rng([100 * x for x in a['same']], '{:.0f}%')} "
                      f"| {rng([100 * x for x in a['compile_bw']], '{:.0f}%')} | {rng(a['eager'], '{:.2f}x')} "
                      f"| {rng(a['compile'], '{:.2f}x')} | {rng(a['wall'], '{:.3f}')} |")
     if wall_only and not all_wall:
@@ -136,6 +142,11 @@ def flce_table(d: dict) -> str:
             continue
         lines.append(f"| {r['V']} | {r['impl']} | {r['ms']:.1f} | {r['ratio_to_floor']:.2f} | "
                      f"{r['peak_extra_gb']:.2f} |")
+    split = [r for r in d["rows"] if "gemms_only_ms" in r]
+    if split:
+        lines += ["", "Of our time, cuBLAS alone running the same three GEMMs at our chunk shapes takes: " + "; ".join(
+            f"V={r['V']} {r['gemms_only_ms']:.1f} ms ({r['gemms_only_ratio_to_floor']:.2f}x floor), the loss "
+            f"kernel, casts and gaps the other {r['overhead_ms']:.1f} ms" for r in split) + "."]
     return "\n".join(lines)
 
 
@@ -192,6 +203,7 @@ def e2e_table(d: dict) -> str:
                       f"{r['model']} {r['impl']} ({r.get('variant', '')}) {r['batch']}"
                       + (f" ({r['first_oom_batch']} ran out of memory)" if r.get("first_oom_batch") else "")
                       for r in fits) + "."]
+    lines += [f"\nNote: {n}" for n in d.get("notes", [])]
     return "\n".join(lines)
 
 

@@ -7,9 +7,10 @@ Dispatch rule (one place, used by every public op):
   ``kernels`` was imported; then the Triton kernels themselves run through Triton's interpreter.
   That is how the CPU test-suite and CI exercise the real kernel code.
 
-Every op is registered as a ``torch.library.triton_op`` in the ``ligermodels`` namespace, so
-``torch.compile`` sees it as one opaque custom op (no graph break) while Inductor still knows it
-launches Triton kernels.
+Every op is registered in the ``ligermodels`` namespace, so ``torch.compile`` sees it as one custom
+op (no graph break): most as a ``torch.library.triton_op`` (Inductor knows it launches Triton
+kernels); the FLCE loops and the RMSNorm backward as an opaque ``torch.library.custom_op`` (see
+those modules for why).
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ Backward, with ``n = x * rstd`` and ``g = dy * (offset + w)`` (roundings treated
     dw = sum over rows of dy * n                 (accumulated in fp32)
 
 The weight gradient is a reduction over all rows: a fixed number of programs (``_BWD_PROGRAMS_PER_SM``
-per SM, 1 by default) each loop over a contiguous range of rows, keep a partial ``dw`` in fp32
-registers, and write one fp32 row of a (programs, H) buffer; a second small kernel sums that buffer
+per SM, 1 by default) each loop over a contiguous range of rows (loading the next tile while
+computing the current one), keep a partial ``dw`` in fp32 registers, and write one fp32 row of a
+(programs, H) buffer; a second small kernel sums that buffer
 over its rows in fp32 (columns split over programs) and writes ``dw`` in the weight's dtype, rounded
 once. The backward is two launches whatever the shape. For GPU tuning sweeps, the environment
 variable ``LIGER_RMS_BWD_PPS`` (a positive integer, read at import) overrides the programs per SM.
@@ -69,11 +70,9 @@ def _env_positive_int(name: str, default: int) -> int:
 
 
 #: Programs per SM of the backward kernel (each owns one fp32 row of partial dw); ``LIGER_RMS_BWD_PPS``
-#: overrides it at import. Measured on an H100 (kernel time, bf16, 4096-32768 rows of 2048-8192): 1 per
-#: SM was fastest at every shape (57-81% of copy bandwidth), 2 per SM 1-6 points slower, 8 per SM
-#: 15-24 points slower. (With a (BLOCK_M, BLOCK_N)
-#: fp32 dw accumulator the kernel took 190-241 registers a thread at 8 warps, one program per SM; the
-#: accumulator is now one row, summed over the tile's rows each iteration.)
+#: overrides it at import. Measured on an H100 (kernel time of the main kernel, bf16, prefetching, 4096-32768
+#: rows of 2048-8192): 1 and 2 per SM within 2 points of each other (1 ahead at 4096 rows, 2 ahead at
+#: 32768 x 2048), 4 per SM with smaller tiles no better.
 _BWD_PROGRAMS_PER_SM: int = _env_positive_int("LIGER_RMS_BWD_PPS", 1)
 
 
@@ -107,33 +106,69 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr,
 
 
 @triton.jit
+def _rms_norm_bwd_tile(dy, x, dh, rstd, w, rows, end, cols, col_mask, dx_ptr, stride_dx, n_cols,
+                       HAS_DH: tl.constexpr):
+    """Write dx of one (BLOCK_M, BLOCK_N) tile (rows ``rows`` below ``end``); return its dw contribution (BLOCK_N,)."""
+    dy = dy.to(tl.float32)
+    n = x.to(tl.float32) * rstd[:, None]
+    g = dy * w[None, :]
+    c = tl.sum(g * n, axis=1) / n_cols
+    dx = (g - n * c[:, None]) * rstd[:, None]
+    if HAS_DH:
+        dx += dh.to(tl.float32)
+    mask = (rows < end)[:, None] & col_mask[None, :]
+    tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(dy * n, axis=0)
+
+
+@triton.jit
+def _rms_norm_bwd_load(dy_ptr, dh_ptr, x_ptr, rstd_ptr, rows, end, cols, col_mask, stride_dy, stride_dh, stride_x,
+                       HAS_DH: tl.constexpr):
+    """(dy, x, dh, rstd) of the rows ``rows`` below ``end``, in their stored dtypes (dh is dy without HAS_DH)."""
+    mask = (rows < end)[:, None] & col_mask[None, :]
+    dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dh = dy
+    if HAS_DH:
+        dh = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0)
+    return dy, x, dh, tl.load(rstd_ptr + rows, mask=rows < end, other=0.0)
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(dy_ptr, dh_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr,
                          stride_dy, stride_dh, stride_x, stride_dx, n_rows, n_cols, rows_per_program, offset,
-                         HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PREFETCH: tl.constexpr):
     """Program p handles rows [p*rows_per_program, (p+1)*rows_per_program), BLOCK_M at a time
     (rows_per_program is a multiple of BLOCK_M), and writes its fp32 partial dw to row p of dw_ptr.
-    With HAS_DH the incoming gradient dh is added to dx; otherwise dh_ptr is an unused placeholder."""
+    With HAS_DH the incoming gradient dh is added to dx; otherwise dh_ptr is an unused placeholder.
+
+    PREFETCH: the loads of the next tile are issued before the current tile is computed and stored
+    (register double buffering), so each program keeps two tiles of reads in flight; this is what
+    brings one program per SM near copy bandwidth. Off for tiles too large to hold twice in registers."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)  # one row: a (BLOCK_M, BLOCK_N) accumulator costs registers
     first = pid.to(tl.int64) * rows_per_program
-    for i in range(0, rows_per_program, BLOCK_M):
-        rows = first + i + tl.arange(0, BLOCK_M)
-        row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-        n = x * rstd[:, None]
-        g = dy * w[None, :]
-        c = tl.sum(g * n, axis=1) / n_cols
-        dx = (g - n * c[:, None]) * rstd[:, None]
-        if HAS_DH:
-            dx += tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * n, axis=0)
+    end = tl.minimum(first + rows_per_program, n_rows)
+    rows = first + tl.arange(0, BLOCK_M)
+    if PREFETCH:
+        dy_next, x_next, dh_next, rstd_next = _rms_norm_bwd_load(
+            dy_ptr, dh_ptr, x_ptr, rstd_ptr, rows, end, cols, col_mask, stride_dy, stride_dh, stride_x, HAS_DH)
+        for _ in range(0, rows_per_program, BLOCK_M):
+            cur, dy, x, dh, rstd = rows, dy_next, x_next, dh_next, rstd_next
+            rows = cur + BLOCK_M
+            dy_next, x_next, dh_next, rstd_next = _rms_norm_bwd_load(
+                dy_ptr, dh_ptr, x_ptr, rstd_ptr, rows, end, cols, col_mask, stride_dy, stride_dh, stride_x, HAS_DH)
+            dw += _rms_norm_bwd_tile(dy, x, dh, rstd, w, cur, end, cols, col_mask, dx_ptr, stride_dx, n_cols, HAS_DH)
+    else:
+        for i in range(0, rows_per_program, BLOCK_M):
+            cur = rows + i
+            dy, x, dh, rstd = _rms_norm_bwd_load(
+                dy_ptr, dh_ptr, x_ptr, rstd_ptr, cur, end, cols, col_mask, stride_dy, stride_dh, stride_x, HAS_DH)
+            dw += _rms_norm_bwd_tile(dy, x, dh, rstd, w, cur, end, cols, col_mask, dx_ptr, stride_dx, n_cols, HAS_DH)
     tl.store(dw_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=col_mask)
 
 
@@ -166,12 +201,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _bwd_tiling(cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the backward: it keeps fewer programs alive (each owns an fp32
-    partial dw), so each iteration moves more rows (~8192 elements) to keep enough loads in flight."""
+def _bwd_tiling(cols: int, elem_size: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, PREFETCH) of the backward. It keeps few programs alive (each owns an
+    fp32 partial dw), so each iteration moves whole rows worth ~16 KB of every input (8192 bf16 or 4096
+    fp32 elements) and, when a tile is no larger than that, prefetches the next one (two tiles in
+    flight per program). Rows longer than the budget take one row per iteration, without prefetch."""
+    budget = max(16384 // max(elem_size, 1), 1)
     block_n = row_block(cols)
-    block_m = max(1, min(16, 8192 // block_n))
-    return block_m, block_n, 8 if block_m * block_n >= 8192 else row_warps(block_m * block_n)
+    block_m = max(1, min(16, budget // block_n))
+    tile = block_m * block_n
+    return block_m, block_n, 8 if tile >= 4096 else row_warps(tile), tile <= budget
 
 
 def _bwd_programs(device: torch.device, rows: int, block_m: int, block_n: int) -> int:
@@ -186,11 +225,12 @@ def _bwd_programs(device: torch.device, rows: int, block_m: int, block_n: int) -
 
 
 def _dw_tiling(partials: int, cols: int) -> tuple[int, int, int]:
-    """(BLOCK_P, BLOCK_N, num_warps) of the partial-dw sum: 64 columns (256 contiguous bytes of a
-    partial row) per program, so H = 2048-8192 gives 32-128 programs, and up to 64 partial rows per
-    iteration (one to three iterations at 1 program per SM)."""
-    block_n = min(64, row_block(cols))
-    block_p = min(64, triton.next_power_of_2(max(partials, 1)))
+    """(BLOCK_P, BLOCK_N, num_warps) of the partial-dw sum: 16 columns (64 contiguous bytes of each
+    partial row) per program, so H = 2048-8192 gives 128-512 programs, and up to 256 partial rows per
+    iteration (one iteration at one program per SM). Measured on an H100: 2.9-3.6 us, against
+    6.1-7.0 us with 64 columns and 64 rows."""
+    block_n = min(16, row_block(cols))
+    block_p = min(256, triton.next_power_of_2(max(partials, 1)))
     return block_p, block_n, 4 if block_p * block_n >= 2048 else 1
 
 
@@ -232,16 +272,20 @@ def _fused_add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: tor
     return y, h, rstd
 
 
-@triton_op(f"{LIB}::rms_norm_bwd", mutates_args={})
+@torch.library.custom_op(f"{LIB}::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd(dy: torch.Tensor, dh: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   offset: float, has_dh: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx with x's shape and dtype, dw (H,) in weight's dtype). ``x`` is the normalised input (h for
-    the fused op); ``dh`` is added to dx when ``has_dh``, else ignored (pass any tensor, e.g. dy)."""
+    the fused op); ``dh`` is added to dx when ``has_dh``, else ignored (pass any tensor, e.g. dy).
+
+    An opaque ``custom_op`` rather than a ``triton_op``: Inductor compiles a ``triton_op``'s kernels
+    itself, and this one came out 2.5-2.9x slower that way (H100, torch 2.11: 114 vs 40 us at
+    8192 x 1536), so under torch.compile it launches the kernels exactly as in eager."""
     dy2, x2 = as_rows(dy), as_rows(x)
     dh2 = as_rows(dh) if has_dh else dy2
     rows, cols = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, warps = _bwd_tiling(cols)
+    block_m, block_n, warps, prefetch = _bwd_tiling(cols, x.element_size())
     programs = _bwd_programs(x.device, rows, block_m, block_n) if rows > 0 else 0
     rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_m) * block_m if programs else 0
     programs = triton.cdiv(rows, rows_per_program) if programs else 0
@@ -249,15 +293,20 @@ def _rms_norm_bwd(dy: torch.Tensor, dh: torch.Tensor, x: torch.Tensor, weight: t
         return dx, torch.zeros(cols, dtype=weight.dtype, device=x.device)
     partial = torch.empty(programs, cols, dtype=torch.float32, device=x.device)  # every row written
     dx2 = dx.view(rows, cols)
-    wrap_triton(_rms_norm_bwd_kernel)[(programs,)](
+    _rms_norm_bwd_kernel[(programs,)](
         dy2, dh2, x2, weight.contiguous(), rstd, dx2, partial, dy2.stride(0), dh2.stride(0), x2.stride(0),
         dx2.stride(0), rows, cols, rows_per_program, offset,
-        HAS_DH=has_dh, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        HAS_DH=has_dh, BLOCK_M=block_m, BLOCK_N=block_n, PREFETCH=prefetch, num_warps=warps)
     dw = torch.empty(cols, dtype=weight.dtype, device=x.device)
     block_p, block_n, warps = _dw_tiling(programs, cols)
-    wrap_triton(_rms_norm_dw_kernel)[(triton.cdiv(cols, block_n),)](
+    _rms_norm_dw_kernel[(triton.cdiv(cols, block_n),)](
         partial, dw, programs, cols, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=warps)
     return dx, dw
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, dh, x, weight, rstd, offset, has_dh):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(x.shape[-1])
 
 
 class RMSNormFunction(torch.autograd.Function):

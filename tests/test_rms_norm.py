@@ -295,7 +295,7 @@ def test_weight_gradient_sum_kernel_over_many_partial_rows():
     import importlib
 
     mod = importlib.import_module("kernels.rms_norm")
-    n_partial, H = 150, 777
+    n_partial, H = 600, 777
     partial = randn(n_partial, H, scale=3.0)
     assert_triton_runs(partial)
     block_p, block_n, warps = mod._dw_tiling(n_partial, H)
@@ -326,6 +326,40 @@ def test_backward_with_many_programs_matches_float64(dtype, monkeypatch):
     torch.autograd.backward([ref_y, ref_h], [dy.double(), dh.double()])
     assert_rel(x.grad, xd.grad, dtype, "dx")
     assert_rel(w.grad, wd.grad, dtype, "dw")
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_backward_with_and_without_prefetch_matches_float64(prefetch, monkeypatch):
+    """Both loops of the backward kernel (next tile loaded ahead, or not), each program looping over
+    several tiles with a masked last tile, with and without the incoming residual gradient."""
+    import importlib
+
+    mod = importlib.import_module("kernels.rms_norm")
+    tiling = mod._bwd_tiling
+
+    def forced(cols, elem_size):
+        block_m, block_n, warps, _ = tiling(cols, elem_size)
+        return min(block_m, 4), block_n, warps, prefetch
+
+    monkeypatch.setattr(mod, "_bwd_tiling", forced)
+    monkeypatch.setattr(mod, "_bwd_programs", lambda device, rows, block_m, block_n: 3)
+    dtype = torch.float32
+    x, r, w = _inputs((301, 130), dtype, residual=True)  # 3 programs of 104 rows: 26 tiles each, last short
+    dy, dh = randn(301, 130, dtype=dtype), randn(301, 130, dtype=dtype)
+    assert_triton_runs(x)
+    ref_y, ref_h, (xd, rd, wd) = _float64(x, r, w, 0.0)
+    torch.autograd.backward([ref_y, ref_h], [dy.double(), dh.double()])
+    y, h = fused_add_rms_norm(x, r, w, EPS)
+    torch.autograd.backward([y, h], [dy, dh])
+    assert_rel(x.grad, xd.grad, dtype, "dx")
+    assert_rel(w.grad, wd.grad, dtype, "dw")
+    x.grad = w.grad = None
+    y = rms_norm(x, w, EPS)
+    y.backward(dy)
+    xs, ws = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    rms_norm_reference(xs, ws, EPS).backward(dy.double())
+    assert_rel(x.grad, xs.grad, dtype, "dx (no dh)")
+    assert_rel(w.grad, ws.grad, dtype, "dw (no dh)")
 
 
 def test_backward_programs_per_sm_env_override(monkeypatch):
