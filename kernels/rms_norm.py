@@ -206,7 +206,7 @@ def _bwd_tiling(cols: int, elem_size: int) -> tuple[int, int, int, bool]:
     fp32 partial dw), so each iteration moves whole rows worth ~16 KB of every input (8192 bf16 or 4096
     fp32 elements) and, when a tile is no larger than that, prefetches the next one (two tiles in
     flight per program). Rows longer than the budget take one row per iteration, without prefetch."""
-    budget = max(16384 // max(elem_size, 1), 1)
+    budget = 16384 // elem_size
     block_n = row_block(cols)
     block_m = max(1, min(16, budget // block_n))
     tile = block_m * block_n
