@@ -1,7 +1,8 @@
 """End-to-end training-step benchmark: ligermodels against transformers eager, transformers + Liger-Kernel
 and transformers under ``torch.compile``, on the same model shape and GPU (issue 6).
 
-One step = forward + backward + fused AdamW step, bf16 parameters (and bf16 optimiser state: the same
+One step = forward + backward + fused AdamW step (``ligermodels+graph``: the same step captured once as
+a CUDA graph and replayed), bf16 parameters (and bf16 optimiser state: the same
 for every implementation), random init from the public config's shapes, random tokens, labels = input ids
 (the models shift them). Each (impl, model, batch) runs in its own process, so one implementation's
 allocator state, compiled graphs or patched modules never reach another. Times are the median of
@@ -86,8 +87,10 @@ def step_flops(model: str, batch: int, seq: int) -> float:
 # ------------------------------------------------------------------------------------ one worker
 def base_row(impl: str, model: str, batch: int, seq: int, ac: bool) -> dict:
     """The identifying fields of a result row. ``ligermodels+compile`` is impl "ligermodels", variant "compile"
-    (our model under ``torch.compile``); the transformers impls keep the issue's names."""
-    variant = "compile" if impl.endswith("+compile") else "eager"
+    (our model under ``torch.compile``); ``ligermodels+graph`` is variant "graph" (the whole step replayed
+    from a CUDA graph, :class:`ligermodels.cuda_graph.CUDAGraphStep`); the transformers impls keep the
+    issue's names."""
+    variant = "compile" if impl.endswith("+compile") else "graph" if impl.endswith("+graph") else "eager"
     name = "ligermodels" if impl.startswith("ligermodels") else impl
     return {"impl": name, "variant": variant, "model": model, "batch": batch, "seq": seq,
             "activation_checkpointing": ac}
@@ -145,7 +148,8 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     fn, params = build(impl, model, ac)
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    graph = impl.endswith("+graph")
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=True, capturable=graph)
     vocab = MODELS[model]["vocab_size"]
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=g)
@@ -156,6 +160,11 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+
+    if graph:
+        from ligermodels.cuda_graph import CUDAGraphStep
+
+        step = functools.partial(CUDAGraphStep(fn, opt, ids, ids), ids, ids)
 
     times, losses = [], []
     for i in range(warmup + steps):
@@ -320,8 +329,8 @@ def merge(path: str, rows: list[dict], extra: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="*", default=["llama-1b:8"], help="MODEL:BATCH (MODEL alone with --max-batch)")
-    ap.add_argument("--impls", nargs="*", default=["ligermodels", "ligermodels+compile", "hf", "hf+liger",
-                                                   "hf+compile"])
+    ap.add_argument("--impls", nargs="*", default=["ligermodels", "ligermodels+graph", "ligermodels+compile", "hf",
+                                                   "hf+liger", "hf+compile"])
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)

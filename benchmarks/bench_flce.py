@@ -80,12 +80,12 @@ def _impls(include_liger: bool, notes: list[str]) -> dict:
         impls["liger-fp32acc"] = lambda h, w, t: liger32(w, h, t)
     except TypeError:
         notes.append("liger: this version has no accum_dtype (bf16 weight-gradient accumulation only)")
-    try:
-        import liger_kernel
+    try:  # the package has no __version__; its distribution metadata has the version
+        from importlib.metadata import version
 
-        notes.append(f"liger_kernel {getattr(liger_kernel, '__version__', '?')}")
-    except Exception:
-        pass
+        notes.append(f"liger_kernel {version('liger-kernel')}")
+    except Exception as e:
+        notes.append(f"liger_kernel version unknown ({type(e).__name__})")
     return impls
 
 

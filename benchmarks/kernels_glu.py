@@ -19,7 +19,7 @@ def _eager_geglu(g, u):
 
 def run(copy_gbs: float, dtype=torch.bfloat16) -> list[dict]:
     rows = []
-    for tokens, inter in [(4096, 8192), (16384, 8192), (16384, 14336), (32768, 5632)]:
+    for tokens, inter in [(4096, 8192), (16384, 8192), (16384, 14336), (32768, 5632), (8192, 8960)]:
         def make(tokens=tokens, inter=inter):
             return [torch.randn(tokens, inter, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2)]
 

@@ -12,6 +12,7 @@ composes custom models from the same kernel blocks.
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.blocks import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from ligermodels.config import DecoderConfig
+from ligermodels.cuda_graph import CUDAGraphStep
 from ligermodels.families import (
     FAMILIES,
     AutoLigerModel,
@@ -31,7 +32,7 @@ from ligermodels.tokenizer import load_tokenizer
 
 __all__ = [
     "AttentionMask", "causal_attention", "MLP", "Attention", "DecoderLayer", "RMSNorm", "RotaryEmbedding",
-    "DecoderConfig", "FAMILIES", "AutoLigerModel", "LigerGemma", "LigerLlama", "LigerMistral", "LigerPhi3",
-    "LigerQwen2", "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
+    "DecoderConfig", "CUDAGraphStep", "FAMILIES", "AutoLigerModel", "LigerGemma", "LigerLlama", "LigerMistral",
+    "LigerPhi3", "LigerQwen2", "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
     "document_ids_from_positions", "RopeConfig", "KVCache", "generate", "sample_next", "load_tokenizer",
 ]

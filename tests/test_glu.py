@@ -52,6 +52,36 @@ def test_glu_matches_float64_forward_and_gradients(name, shape, dtype):
             assert ours <= 1.05 * rel_err(theirs, ref_) + 1e-6, f"{what}: worse than eager bf16"
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_glu_tiles_of_several_column_blocks_and_a_partial_row_block(packed):
+    """Rows of 1280 split into 256-wide column blocks (a tile of 32 rows), 37 rows leave a partial row tile."""
+    from kernels.glu import _launch
+
+    rows, cols = 37, 1280
+    tile = _launch(rows, cols)
+    assert tile["grid"] == (2, 5) and tile["meta"]["BLOCK_R"] == 32, tile  # what this test relies on
+    op, act = ACTS["swiglu"]
+    x = randn(rows, 2 * cols, scale=2.0).requires_grad_()
+    gate, up = (x, None) if packed else (x[:, :cols].detach().clone().requires_grad_(),
+                                          x[:, cols:].detach().clone().requires_grad_())
+    dout = randn(rows, cols)
+    out = op(gate, up)
+    out.backward(dout)
+    ref, ref_dg, ref_du = _float64_reference(x.detach()[:, :cols], x.detach()[:, cols:], dout, act)
+    assert_rel(out, ref, torch.float32, "out")
+    grad = x.grad if packed else torch.cat([gate.grad, up.grad], dim=-1)
+    assert_rel(grad, torch.cat([ref_dg, ref_du], dim=-1), torch.float32, "d(gate, up)")
+
+
+def test_glu_column_block_leaves_fewest_masked_lanes():
+    from kernels.glu import _col_block
+
+    assert _col_block(8960) == 256  # Qwen2-1.5B: 35 full blocks, not 8192 + a 91%-masked second block
+    assert _col_block(18944) == 512  # Qwen2-7B: 37 full blocks
+    assert _col_block(8192) == 8192 and _col_block(14336) == 2048
+    assert _col_block(96) == 128 and _col_block(1000) == 1024
+
+
 @pytest.mark.parametrize("name", list(ACTS))
 def test_glu_packed_input_gives_packed_gradient(name):
     op, act = ACTS[name]
