@@ -1,7 +1,8 @@
 """End-to-end training-step benchmark: ligermodels against transformers eager, transformers + Liger-Kernel
 and transformers under ``torch.compile``, on the same model shape and GPU (issue 6).
 
-One step = forward + backward + fused AdamW step (``ligermodels+graph``: the same step captured once as
+One step = forward + backward + fused AdamW step (torch's ``fused=True`` for the transformers impls, our
+Triton ``kernels.AdamW`` for ligermodels; ``ligermodels+graph``: the same step captured once as
 a CUDA graph and replayed), bf16 parameters (and bf16 optimiser state: the same
 for every implementation), random init from the public config's shapes, random tokens, labels = input ids
 (the models shift them). Each (impl, model, batch) runs in its own process, so one implementation's
@@ -149,7 +150,12 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
     torch.cuda.reset_peak_memory_stats()
     fn, params = build(impl, model, ac)
     graph = impl.endswith("+graph")
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=True, capturable=graph)
+    if impl.startswith("ligermodels"):  # our step: the Triton AdamW (kernels.adamw), the same math
+        from kernels import AdamW
+
+        opt = AdamW(params, lr=1e-5, capturable=graph)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     vocab = MODELS[model]["vocab_size"]
     g = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=g)

@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.harness import copy_bandwidth_gbs, environment, write_results
 
-FAMILIES = ["glu", "rms_norm", "rope", "cross_entropy"]
+FAMILIES = ["glu", "rms_norm", "rope", "cross_entropy", "adamw"]
 
 
 def main() -> None:

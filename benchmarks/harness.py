@@ -279,14 +279,25 @@ def compare_impls(op: str, shape: str, dtype: torch.dtype, impls: dict[str, Call
             rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
         for pas, t, nbytes in (("fwd", fwd, fwd_bytes), ("bwd", bwd, bwd_bytes)):
-            gbs = nbytes / t.ms / 1e6 if t.ms > 0 else float("nan")
-            same = same_size_copy_ms(nbytes)
-            row = {**base, "pass": pas, "ms": round(t.ms, 5), "wall_ms": round(t.wall_ms, 5),
-                   "launches": round(t.launches, 2), "timing": "cuda-kernels", "bytes": nbytes,
-                   "gbs": round(gbs, 1), "frac_copy_bw": round(gbs / copy_gbs, 3),
-                   "same_size_copy_ms": round(same, 5), "frac_same_size_copy": round(same / t.ms, 3)}
-            if t.method:
-                row["bwd_method"] = t.method
-            rows.append(row)
+            rows.append(timing_row(base, pas, t, nbytes, copy_gbs))
         torch.cuda.empty_cache()
     return rows
+
+
+def timed_pass(fn: Callable[[], object]) -> PassTime:
+    """Kernel time, wall time and launches of ``fn()`` (one pass of an op that is not an autograd function)."""
+    wall, k = _time(fn)
+    return PassTime(k.ms, wall, k.launches)
+
+
+def timing_row(base: dict, pas: str, t: PassTime, nbytes: int, copy_gbs: float) -> dict:
+    """One result row: ``base`` (op, shape, dtype, impl) and the pass's times, bytes and bandwidth fractions."""
+    gbs = nbytes / t.ms / 1e6 if t.ms > 0 else float("nan")
+    same = same_size_copy_ms(nbytes)
+    row = {**base, "pass": pas, "ms": round(t.ms, 5), "wall_ms": round(t.wall_ms, 5),
+           "launches": round(t.launches, 2), "timing": "cuda-kernels", "bytes": nbytes,
+           "gbs": round(gbs, 1), "frac_copy_bw": round(gbs / copy_gbs, 3),
+           "same_size_copy_ms": round(same, 5), "frac_same_size_copy": round(same / t.ms, 3)}
+    if t.method:
+        row["bwd_method"] = t.method
+    return row

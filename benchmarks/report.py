@@ -121,6 +121,13 @@ def kernels_table(d: dict) -> str:
                      f"| {rng([100 * x for x in a['same']], '{:.0f}%')} "
                      f"| {rng([100 * x for x in a['compile_bw']], '{:.0f}%')} | {rng(a['eager'], '{:.2f}x')} "
                      f"| {rng(a['compile'], '{:.2f}x')} | {rng(a['wall'], '{:.3f}')} |")
+    other = {k: impls for k, impls in sorted(by.items())
+             if "ligermodels" in impls and set(impls) - {"ligermodels", "eager", "compile"}}
+    if other:  # ops measured against other baselines (the optimiser step against torch's AdamW)
+        lines += ["", "Against other baselines, kernel time and share of copy bandwidth: " + "; ".join(
+            f"{op} {pas}, {shape}: " + ", ".join(f"{impl} {r['ms']:.2f} ms ({100 * r['frac_copy_bw']:.0f}%)"
+                                                 for impl, r in impls.items())
+            for (op, shape, pas), impls in other.items()) + "."]
     if wall_only and not all_wall:
         runs = sorted({r for k in wall_only for r in agg[k]["from_run"]})
         lines += ["", f"\\* From an earlier run ({', '.join(runs)}) timed as wall time (host overhead included): "

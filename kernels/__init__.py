@@ -11,9 +11,11 @@ the in-place form for blocks that own their projection buffer.
 - :mod:`kernels.rope`: ``apply_rope``, ``apply_rope_qkv_`` (in place on a packed q/k/v projection)
 - :mod:`kernels.glu`: ``swiglu``, ``geglu``, ``glu_linear`` (GLU + down projection, activation recomputed)
 - :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
+- :mod:`kernels.adamw`: ``AdamW`` (``torch.optim.AdamW`` with a Triton update kernel; an optimiser, not an op)
 """
 
 from kernels._common import INTERPRET, use_triton
+from kernels.adamw import AdamW
 from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from kernels.glu import geglu, glu_linear, swiglu
 from kernels.norm_linear import rms_norm_linear
@@ -21,4 +23,5 @@ from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import apply_rope, apply_rope_qkv_
 
 __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_norm_linear", "apply_rope",
-           "apply_rope_qkv_", "swiglu", "geglu", "glu_linear", "cross_entropy", "fused_linear_cross_entropy"]
+           "apply_rope_qkv_", "swiglu", "geglu", "glu_linear", "cross_entropy", "fused_linear_cross_entropy",
+           "AdamW"]

@@ -11,10 +11,10 @@ What a step may do (the usual CUDA-graph rules, checked where they can be):
   copied into static buffers the graph reads;
 * no host synchronisation and no data-dependent Python branches (ligermodels' kernels and loss
   have none; ``.item()``, ``.tolist()`` or ``print(tensor)`` inside the step fail at capture);
-* the optimiser is ``torch.optim.Adam`` or ``AdamW`` built with ``capturable=True`` (its step
-  count and bias corrections then live on the GPU). A learning rate that changes between steps
-  must be a CUDA tensor (``lr=torch.tensor(3e-4, device="cuda")``; ``LRScheduler`` then updates it
-  in place); a Python float is baked into the graph at capture.
+* the optimiser is ``torch.optim.Adam`` or ``AdamW`` (``kernels.AdamW`` included) built with
+  ``capturable=True`` (its step count and bias corrections then live on the GPU). A learning rate
+  that changes between steps must be a CUDA tensor (``lr=torch.tensor(3e-4, device="cuda")``;
+  ``LRScheduler`` then updates it in place); a Python float is baked into the graph at capture.
 
 Gradients are overwritten by every replay, not accumulated: the captured backward starts from
 ``.grad = None``. Warm-up runs the step a few times on a side stream (it builds the optimiser's state,

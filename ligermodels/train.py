@@ -71,6 +71,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from checkpoints_tools import CheckpointError, load_hf, read_config, resolve, save_hf_state
 from checkpoints_tools.hub import safetensors_files
+from kernels import AdamW
 from ligermodels import demo_corpus
 from ligermodels.config import DecoderConfig
 from ligermodels.data import DataError, Document, PackedRows, count_loss_tokens, read_jsonl, special_token_ids, tokenize
@@ -306,13 +307,12 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
 
 # ------------------------------------------------------------------------------------------ optimiser
 def build_optimizer(model: CausalLM, args: argparse.Namespace, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; fused kernels on CUDA, foreach on the CPU."""
+    """AdamW with weight decay on matrices only: ``kernels.AdamW`` (the Triton update on each rank's shards;
+    torch's AdamW on the CPU). Its state dict is torch's AdamW's."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    cuda = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=True if cuda else None, foreach=None if cuda else True)
+    return AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def lr_factor(i: int, schedule: str, warmup: int, steps: int, min_ratio: float) -> float:

@@ -25,13 +25,20 @@ def _tiny_model(model_type: str = "llama"):
 @needs_cuda
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])
 @pytest.mark.parametrize("tensor_lr", [False, True])
-def test_replayed_steps_match_eager_steps(model_type, tensor_lr):
+@pytest.mark.parametrize("optimizer", ["torch", "kernels"])
+def test_replayed_steps_match_eager_steps(model_type, tensor_lr, optimizer):
     """Five steps on changing batches, with a learning-rate schedule when the lr is a tensor: the same losses,
-    parameters and Adam moments as five eager steps from the same start (fp32, so differences are rounding)."""
+    parameters and Adam moments as five eager steps from the same start (fp32, so differences are rounding),
+    with torch's fused AdamW and with kernels.AdamW."""
+    from kernels import AdamW
+
     def make():
         model = _tiny_model(model_type)
         lr = torch.tensor(1e-3, device="cuda") if tensor_lr else 1e-3
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True, capturable=True)
+        if optimizer == "torch":
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True, capturable=True)
+        else:
+            opt = AdamW(model.parameters(), lr=lr, weight_decay=0.1, capturable=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i)) if tensor_lr else None
         return model, opt, sched
 

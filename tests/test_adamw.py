@@ -1,0 +1,102 @@
+"""kernels.AdamW: the update kernel against a float64 AdamW, and against torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import AdamW
+from tests.utils import DEVICE, assert_rel, assert_triton_runs, randn, rel_err
+
+SHAPES = [(37, 53), (1000,), (3, 5, 777)]
+LR, BETAS, EPS, WD = 0.05, (0.9, 0.95), 1e-8, 0.1
+
+
+def _float64_adamw(p, grads, lr, betas, eps, wd):
+    """(p, exp_avg, exp_avg_sq) after len(grads) AdamW steps, in float64 from the same start."""
+    p, m, v = p.double(), torch.zeros_like(p, dtype=torch.float64), torch.zeros_like(p, dtype=torch.float64)
+    b1, b2 = betas
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        p = p * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr / (1 - b1**t) * m / ((v / (1 - b2**t)).sqrt() + eps)
+    return p, m, v
+
+
+def _run(opt_cls, p0, grads, **kw):
+    p = torch.nn.Parameter(p0.clone())
+    opt = opt_cls([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    state = opt.state[p]
+    return p.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_matches_float64_and_is_no_worse_than_torch(shape, dtype):
+    p0 = randn(*shape, dtype=dtype)
+    assert_triton_runs(p0)
+    grads = [randn(*shape, dtype=dtype, scale=s) for s in (1.0, 0.1, 3.0)]
+    p, m, v, step = _run(AdamW, p0, grads)
+    ref_p, ref_m, ref_v = _float64_adamw(p0, grads, LR, BETAS, EPS, WD)
+    assert step.item() == 3 and step.device == p.device
+    errs = {"exp_avg": assert_rel(m, ref_m, dtype, "exp_avg"), "exp_avg_sq": assert_rel(v, ref_v, dtype, "exp_avg_sq"),
+            "update": assert_rel(p.double() - p0.double(), ref_p - p0.double(), dtype, "p - p0",
+                                 bound=1e-5 if dtype == torch.float32 else 5e-2)}
+    torch_p, torch_m, torch_v, _ = _run(torch.optim.AdamW, p0, grads, foreach=False)
+    for what, theirs, ref in [("exp_avg", torch_m, ref_m), ("exp_avg_sq", torch_v, ref_v),
+                              ("update", torch_p.double() - p0.double(), ref_p - p0.double())]:
+        assert errs[what] <= 1.05 * rel_err(theirs, ref) + 1e-6, f"{what}: worse than torch.optim.AdamW"
+
+
+def test_adamw_takes_the_lr_from_a_device_tensor_that_a_scheduler_changes():
+    p0 = randn(64, 33)
+    grads = [randn(64, 33) for _ in range(3)]
+    results = []
+    for lr in (torch.tensor(LR, device=DEVICE), LR):
+        p = torch.nn.Parameter(p0.clone())
+        opt = AdamW([p], lr=lr, betas=BETAS, eps=EPS, weight_decay=WD)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+            sched.step()
+        results.append(p.detach())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+    assert rel_err(results[0], p0) > 1e-3  # the steps did move the parameter
+
+
+def test_adamw_state_dict_is_torch_adamw_s():
+    """A checkpoint of one continues in the other (same keys, step moved to the parameter's device)."""
+    p0 = randn(40, 7)
+    grads = [randn(40, 7) for _ in range(4)]
+
+    def run(first, second):
+        p = torch.nn.Parameter(p0.clone())
+        opt = first([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        for g in grads[:2]:
+            p.grad = g.clone()
+            opt.step()
+        state = opt.state_dict()
+        opt = second([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        opt.load_state_dict(state)
+        for g in grads[2:]:
+            p.grad = g.clone()
+            opt.step()
+        return p.detach()
+
+    ref = run(torch.optim.AdamW, torch.optim.AdamW)
+    for first, second in [(AdamW, torch.optim.AdamW), (torch.optim.AdamW, AdamW)]:
+        torch.testing.assert_close(run(first, second), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_refuses_options_it_does_not_implement():
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="amsgrad"):
+        AdamW([p], amsgrad=True)
+    with pytest.raises(ValueError, match="maximize"):
+        AdamW([p], maximize=True)
