@@ -77,10 +77,15 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     if not all(t.is_contiguous() for t in (p, g, m, v)):
         raise ValueError(f"AdamW: parameter of shape {tuple(p.shape)}: parameter, gradient and state must be "
                          "contiguous")
+    if p.is_complex():
+        raise ValueError(f"kernels.AdamW: complex parameter of shape {tuple(p.shape)} is not supported")
     n = p.numel()
     if n == 0:
         return
     on_device = isinstance(lr, torch.Tensor)
+    if on_device and lr.device != p.device:
+        raise ValueError(f"kernels.AdamW: the lr tensor is on {lr.device}, the parameter on {p.device}; "
+                         "put the lr on the parameters' device")
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         p, g, m, v, _local(step), lr if on_device else step, 0.0 if on_device else float(lr), n, beta1, beta2,
         math.log2(beta1), math.log2(beta2), eps, weight_decay, LR_ON_DEVICE=on_device, BLOCK=_BLOCK,

@@ -100,3 +100,7 @@ def test_adamw_refuses_options_it_does_not_implement():
         AdamW([p], amsgrad=True)
     with pytest.raises(ValueError, match="maximize"):
         AdamW([p], maximize=True)
+    z = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64, device=DEVICE))
+    z.grad = torch.ones_like(z)
+    with pytest.raises(ValueError, match="complex parameter"):
+        AdamW([z]).step()
