@@ -60,6 +60,11 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, lr, n, beta1, be
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
+def _log2(beta: float) -> float:
+    """log2(beta), -inf for beta 0 (then beta^t = exp2(t * -inf) = 0: no bias correction)."""
+    return math.log2(beta) if beta > 0 else float("-inf")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor itself, or a DTensor's local shard (same storage)."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -88,7 +93,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                          "put the lr on the parameters' device")
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         p, g, m, v, _local(step), lr if on_device else step, 0.0 if on_device else float(lr), n, beta1, beta2,
-        math.log2(beta1), math.log2(beta2), eps, weight_decay, LR_ON_DEVICE=on_device, BLOCK=_BLOCK,
+        _log2(beta1), _log2(beta2), eps, weight_decay, LR_ON_DEVICE=on_device, BLOCK=_BLOCK,
         num_warps=_WARPS)
 
 
@@ -118,10 +123,16 @@ class AdamW(torch.optim.AdamW):
         if with_grad and not all(use_triton(_local(p)) for p in with_grad):
             super().step()  # the reference: torch's AdamW (CPU tensors without the interpreter)
             return loss
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            refused = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
+            if refused:  # set per group, by add_param_group or a loaded state dict
+                raise ValueError(f"kernels.AdamW: param group {i} sets {refused}; plain AdamW only")
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and params[0].device.type != "cpu":
+                lr = lr.item()  # a host tensor (torch.distributed.checkpoint makes one): read without a GPU sync
             steps = []
             for p in params:
                 if p.grad.is_sparse:
@@ -138,6 +149,6 @@ class AdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             for p in params:
                 state = self.state[p]
-                adamw_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group["lr"],
+                adamw_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr,
                               beta1, beta2, group["eps"], group["weight_decay"])
         return loss

@@ -117,7 +117,9 @@ def _col_block(cols: int) -> int:
 def _launch(rows: int, cols: int) -> dict:
     """Grid and tile of a (rows x cols) GLU launch: tiles of up to ``_BLOCK`` elements, 16 per thread."""
     block_c = _col_block(cols)
-    block_r = min(max(1, _BLOCK // block_c), row_block(rows))
+    block_r = max(1, _BLOCK // block_c)
+    if isinstance(rows, int):  # fewer rows than a tile (decode); a symbolic row count stays unspecialised
+        block_r = min(block_r, row_block(rows))
     warps = max(1, min(_WARPS, block_r * block_c // 512))
     return {"grid": (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)),
             "meta": {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}}

@@ -19,8 +19,11 @@ What a step may do (the usual CUDA-graph rules, checked where they can be):
 Gradients are overwritten by every replay, not accumulated: the captured backward starts from
 ``.grad = None``. Warm-up runs the step a few times on a side stream (it builds the optimiser's state,
 cuBLAS workspaces and Triton kernels, none of which may be created inside a capture) with a learning
-rate of 0, and then zeroes the optimiser's state, so the first replay is the first real update:
-the parameters and the optimiser end up exactly as after the same number of eager steps.
+rate of 0 (the parameters do not move), then puts the optimiser's state back as it was (state that
+warm-up created starts at zero, as Adam's does), so the first replay is the next real update: the
+parameters and the optimiser end up exactly as after the same number of eager steps, for a fresh
+optimiser or one resumed from a checkpoint. A float lr changed after the capture is refused at the next
+call rather than ignored.
 """
 
 from __future__ import annotations
@@ -28,6 +31,39 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+
+def _set_lrs(optimizer: torch.optim.Optimizer, lrs: list) -> None:
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def warm_up(optimizer: torch.optim.Optimizer, step: Callable[[], object], steps: int) -> None:
+    """Run ``step()`` (forward, backward, ``optimizer.step()``) ``steps`` times at learning rate 0, leaving the
+    parameters and the optimiser as they were: Adam's update is scaled by the lr (weight decay too), so
+    the parameters do not move; the optimiser state that existed is put back (kept on the host meanwhile)
+    and state created here starts at zero, as Adam's does. Both are restored even if a step raises."""
+    lrs = [lr.clone() if isinstance(lr, torch.Tensor) else lr for lr in (g["lr"] for g in optimizer.param_groups)]
+    saved = {p: {k: v.detach().to("cpu", copy=True) for k, v in st.items() if isinstance(v, torch.Tensor)}
+             for p, st in optimizer.state.items()}
+    try:
+        _set_lrs(optimizer, [0.0] * len(lrs))
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            step()
+    finally:
+        _set_lrs(optimizer, lrs)
+        for p, state in optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    old = saved.get(p, {}).get(key)
+                    if old is None:
+                        value.zero_()
+                    else:
+                        value.copy_(old)
 
 
 class CUDAGraphStep:
@@ -64,30 +100,15 @@ class CUDAGraphStep:
             optimizer.step()
             return loss.detach()
 
-        lrs = [lr.clone() if isinstance(lr, torch.Tensor) else lr for lr in (g["lr"] for g in optimizer.param_groups)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._set_lrs([0.0] * len(lrs))
-            for _ in range(warmup):
-                optimizer.zero_grad(set_to_none=True)
-                step()
-            self._set_lrs(lrs)
-            for state in optimizer.state.values():  # Adam's state starts at zero: step, exp_avg, exp_avg_sq
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        value.zero_()
+            warm_up(optimizer, step, warmup)
         torch.cuda.current_stream().wait_stream(side)
         optimizer.zero_grad(set_to_none=True)
+        self.float_lrs = [g["lr"] for g in optimizer.param_groups]  # baked into the graph when floats
         with torch.cuda.graph(self.graph):
             self.loss = step()
-
-    def _set_lrs(self, lrs: list) -> None:
-        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         if len(inputs) != len(self.inputs):
@@ -97,5 +118,9 @@ class CUDAGraphStep:
                 raise ValueError(f"CUDAGraphStep input {i}: captured as {tuple(static.shape)} {static.dtype}, "
                                  f"got {tuple(x.shape)} {x.dtype}")
             static.copy_(x, non_blocking=True)
+        for i, (group, captured) in enumerate(zip(self.optimizer.param_groups, self.float_lrs, strict=True)):
+            if not isinstance(captured, torch.Tensor) and group["lr"] != captured:
+                raise ValueError(f"CUDAGraphStep: param group {i}'s lr changed from {captured} to {group['lr']}, "
+                                 "but a float lr is baked into the graph; give the optimiser a CUDA tensor lr")
         self.graph.replay()
         return self.loss

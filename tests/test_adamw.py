@@ -53,6 +53,19 @@ def test_adamw_matches_float64_and_is_no_worse_than_torch(shape, dtype):
         assert errs[what] <= 1.05 * rel_err(theirs, ref) + 1e-6, f"{what}: worse than torch.optim.AdamW"
 
 
+def test_adamw_with_beta1_zero_is_rmsprop_like_and_exact():
+    """beta1 = 0 (no first moment, no bias correction of it) is allowed by torch and must not fail here."""
+    p0 = randn(17, 9)
+    grads = [randn(17, 9) for _ in range(3)]
+    p = torch.nn.Parameter(p0.clone())
+    opt = AdamW([p], lr=LR, betas=(0.0, 0.95), eps=EPS, weight_decay=WD)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    ref_p, _, _ = _float64_adamw(p0, grads, LR, (0.0, 0.95), EPS, WD)
+    assert_rel(p.detach().double() - p0.double(), ref_p - p0.double(), torch.float32, "p - p0")
+
+
 def test_adamw_takes_the_lr_from_a_device_tensor_that_a_scheduler_changes():
     p0 = randn(64, 33)
     grads = [randn(64, 33) for _ in range(3)]
@@ -100,6 +113,11 @@ def test_adamw_refuses_options_it_does_not_implement():
         AdamW([p], amsgrad=True)
     with pytest.raises(ValueError, match="maximize"):
         AdamW([p], maximize=True)
+    q = torch.nn.Parameter(torch.zeros(3, device=DEVICE))
+    q.grad = torch.ones_like(q)
+    opt = AdamW([{"params": [q], "maximize": True}])  # set per group: refused at the step
+    with pytest.raises(ValueError, match=r"param group 0 sets \['maximize'\]"):
+        opt.step()
     z = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64, device=DEVICE))
     z.grad = torch.ones_like(z)
     with pytest.raises(ValueError, match="complex parameter"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ligermodels.cuda_graph import CUDAGraphStep
+from ligermodels.cuda_graph import CUDAGraphStep, warm_up
+from tests.utils import DEVICE
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
@@ -74,14 +75,129 @@ def test_replayed_steps_match_eager_steps(model_type, tensor_lr, optimizer):
 
 
 @needs_cuda
-def test_replay_refuses_inputs_of_another_shape():
+def test_capture_after_eager_steps_keeps_the_optimiser_state():
+    """Two eager steps, then capture (a resumed run): replays continue exactly as eager steps would."""
+    from kernels import AdamW
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    batches = [torch.randint(0, 1000, (2, 128), device="cuda", generator=g) for _ in range(4)]
+    runs = []
+    for graphed in (False, True):
+        model = _tiny_model()
+        opt = AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, capturable=True)
+        for ids in batches[:2]:
+            model.loss(ids, ids).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if graphed:
+            step = CUDAGraphStep(model.loss, opt, batches[2], batches[2])
+            for ids in batches[2:]:
+                step(ids, ids)
+        else:
+            for ids in batches[2:]:
+                model.loss(ids, ids).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        runs.append((model, opt))
+    (eager, opt_e), (graphed, opt_g) = runs
+    for (name, p), q in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=f"parameter {name}")
+        assert opt_g.state[p]["step"].item() == opt_e.state[q]["step"].item() == 4
+
+
+def _captured_tiny_step():
+    """(step, optimizer, ids): a tiny Llama's step captured on (2, 64) tokens, torch's fused AdamW at lr 1e-3."""
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     ids = torch.randint(0, 1000, (2, 64), device="cuda")
-    step = CUDAGraphStep(model.loss, opt, ids, ids, warmup=1)
+    return CUDAGraphStep(model.loss, opt, ids, ids, warmup=1), opt, ids
+
+
+@needs_cuda
+def test_replay_refuses_a_float_lr_changed_after_capture():
+    step, opt, ids = _captured_tiny_step()
+    opt.param_groups[0]["lr"] = 5e-4
+    with pytest.raises(ValueError, match="lr changed from 0.001 to 0.0005"):
+        step(ids, ids)
+
+
+@needs_cuda
+def test_replay_refuses_inputs_of_another_shape():
+    step, _, _ = _captured_tiny_step()
     other = torch.randint(0, 1000, (2, 65), device="cuda")
     with pytest.raises(ValueError, match=r"input 0: captured as \(2, 64\)"):
         step(other, other)
+
+
+def _linear_and_step(opt_cls, lr):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(7, 5).to(DEVICE)
+    opt = opt_cls(layer.parameters(), lr=lr, weight_decay=0.1)
+    x = torch.randn(4, 7, device=DEVICE)
+
+    def step():
+        layer(x).square().sum().backward()
+        opt.step()
+
+    return layer, opt, step
+
+
+def _snapshot(layer, opt):
+    return ([p.detach().clone() for p in layer.parameters()],
+            [{k: v.clone() for k, v in st.items()} for st in opt.state.values()])
+
+
+@pytest.mark.parametrize("opt_name", ["torch", "kernels"])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("eager_steps", [0, 2])
+def test_warm_up_leaves_parameters_and_optimiser_as_they_were(opt_name, tensor_lr, eager_steps):
+    """Fresh (state created at zero) or after eager steps (state put back): the parameters do not move, the lr
+    is the same, and the next step is the one an optimiser without warm-up would take."""
+    from kernels import AdamW
+
+    opt_cls = AdamW if opt_name == "kernels" else torch.optim.AdamW
+    runs = []
+    for warm in (False, True):
+        lr = torch.tensor(0.05, device=DEVICE) if tensor_lr else 0.05
+        layer, opt, step = _linear_and_step(opt_cls, lr)
+        for _ in range(eager_steps):
+            opt.zero_grad(set_to_none=True)
+            step()
+        if warm:
+            before = _snapshot(layer, opt)
+            warm_up(opt, step, 3)
+            params, states = _snapshot(layer, opt)
+            for a, b in zip(params, before[0], strict=True):
+                assert torch.equal(a, b)
+            assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.05)
+            if eager_steps:
+                for st, old in zip(states, before[1], strict=True):
+                    for k in old:
+                        assert torch.equal(st[k].cpu(), old[k].cpu()), k
+            else:
+                assert all(not v.any() for st in states for v in st.values())
+        opt.zero_grad(set_to_none=True)
+        step()
+        runs.append(_snapshot(layer, opt)[0])
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_warm_up_restores_the_lr_and_state_when_a_step_fails():
+    layer, opt, step = _linear_and_step(torch.optim.AdamW, 0.05)
+    step()
+    before = _snapshot(layer, opt)
+
+    def failing():
+        step()
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        warm_up(opt, failing, 2)
+    assert opt.param_groups[0]["lr"] == 0.05
+    for st, old in zip(_snapshot(layer, opt)[1], before[1], strict=True):
+        for k in old:
+            assert torch.equal(st[k], old[k]), k
 
 
 def test_capture_refuses_an_optimiser_it_cannot_replay():
