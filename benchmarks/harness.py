@@ -229,9 +229,11 @@ class PassTime(NamedTuple):
     method: str = ""  # how a backward was isolated
 
 
-def _time(fn: Callable[[], object]) -> tuple[float, KernelTime]:
+def timed_pass(fn: Callable[[], object]) -> PassTime:
+    """Kernel time, wall time and launches of ``fn()``: one pass of an op, or any call to time."""
     wall = bench_ms(fn)  # first: its warm-up also compiles and autotunes
-    return wall, kernel_time(fn)
+    k = kernel_time(fn)
+    return PassTime(k.ms, wall, k.launches)
 
 
 def time_fwd_bwd(fn: Callable[..., object], inputs: list[torch.Tensor]) -> tuple[PassTime, PassTime]:
@@ -241,8 +243,7 @@ def time_fwd_bwd(fn: Callable[..., object], inputs: list[torch.Tensor]) -> tuple
     forward; where a graph cannot be retained (some compiled graphs), as (fwd+bwd) - fwd, for kernel
     time, wall time and launches alike.
     """
-    wall, k = _time(lambda: fn(*inputs))
-    fwd = PassTime(k.ms, wall, k.launches)
+    fwd = timed_pass(lambda: fn(*inputs))
     diff = [t for t in inputs if t.requires_grad]
     outs = _flat(fn(*inputs))
     douts = [torch.randn_like(o) for o in outs]
@@ -252,13 +253,13 @@ def time_fwd_bwd(fn: Callable[..., object], inputs: list[torch.Tensor]) -> tuple
     except RuntimeError:
         retained = False
     if retained:
-        wall, k = _time(lambda: torch.autograd.grad(outs, diff, douts, retain_graph=True))
-        bwd = PassTime(k.ms, wall, k.launches, "retained-graph")
+        bwd = timed_pass(lambda: torch.autograd.grad(outs, diff, douts, retain_graph=True))._replace(
+            method="retained-graph")
     else:
         del outs
-        wall, k = _time(lambda: torch.autograd.grad(_flat(fn(*inputs)), diff, douts))
-        bwd = PassTime(max(k.ms - fwd.ms, 0.0), max(wall - fwd.wall_ms, 0.0), max(k.launches - fwd.launches, 0.0),
-                       "fwd+bwd minus fwd")
+        both = timed_pass(lambda: torch.autograd.grad(_flat(fn(*inputs)), diff, douts))
+        bwd = PassTime(max(both.ms - fwd.ms, 0.0), max(both.wall_ms - fwd.wall_ms, 0.0),
+                       max(both.launches - fwd.launches, 0.0), "fwd+bwd minus fwd")
     return fwd, bwd
 
 
@@ -282,12 +283,6 @@ def compare_impls(op: str, shape: str, dtype: torch.dtype, impls: dict[str, Call
             rows.append(timing_row(base, pas, t, nbytes, copy_gbs))
         torch.cuda.empty_cache()
     return rows
-
-
-def timed_pass(fn: Callable[[], object]) -> PassTime:
-    """Kernel time, wall time and launches of ``fn()`` (one pass of an op that is not an autograd function)."""
-    wall, k = _time(fn)
-    return PassTime(k.ms, wall, k.launches)
 
 
 def timing_row(base: dict, pas: str, t: PassTime, nbytes: int, copy_gbs: float) -> dict:

@@ -306,7 +306,7 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
 
 
 # ------------------------------------------------------------------------------------------ optimiser
-def build_optimizer(model: CausalLM, args: argparse.Namespace, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: CausalLM, args: argparse.Namespace) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only: ``kernels.AdamW`` (the Triton update on each rank's shards;
     torch's AdamW on the CPU). Its state dict is torch's AdamW's."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -501,7 +501,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 
     # -- model, optimiser, schedule
     model = build_model(inputs, args, rank, world, device)
-    optimizer = build_optimizer(model, args, device)
+    optimizer = build_optimizer(model, args)
     schedule = partial(lr_factor, schedule=args.lr_schedule, warmup=args.warmup_steps, steps=args.steps,
                        min_ratio=args.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(i))

@@ -26,6 +26,7 @@ def _float64_adamw(p, grads, lr, betas, eps, wd):
 
 
 def _run(opt_cls, p0, grads, **kw):
+    assert_triton_runs(p0)  # kernels.AdamW falls back to torch's AdamW where the kernel cannot run
     p = torch.nn.Parameter(p0.clone())
     opt = opt_cls([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
     for g in grads:
@@ -56,6 +57,7 @@ def test_adamw_matches_float64_and_is_no_worse_than_torch(shape, dtype):
 def test_adamw_with_beta1_zero_is_rmsprop_like_and_exact():
     """beta1 = 0 (no first moment, no bias correction of it) is allowed by torch and must not fail here."""
     p0 = randn(17, 9)
+    assert_triton_runs(p0)
     grads = [randn(17, 9) for _ in range(3)]
     p = torch.nn.Parameter(p0.clone())
     opt = AdamW([p], lr=LR, betas=(0.0, 0.95), eps=EPS, weight_decay=WD)
@@ -68,6 +70,7 @@ def test_adamw_with_beta1_zero_is_rmsprop_like_and_exact():
 
 def test_adamw_takes_the_lr_from_a_device_tensor_that_a_scheduler_changes():
     p0 = randn(64, 33)
+    assert_triton_runs(p0)
     grads = [randn(64, 33) for _ in range(3)]
     results = []
     for lr in (torch.tensor(LR, device=DEVICE), LR):
@@ -86,6 +89,7 @@ def test_adamw_takes_the_lr_from_a_device_tensor_that_a_scheduler_changes():
 def test_adamw_state_dict_is_torch_adamw_s():
     """A checkpoint of one continues in the other (same keys, step moved to the parameter's device)."""
     p0 = randn(40, 7)
+    assert_triton_runs(p0)
     grads = [randn(40, 7) for _ in range(4)]
 
     def run(first, second):
