@@ -189,10 +189,31 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
                mfu=round(flops / (ms * 1e-3) / (PEAK_BF16_TFLOPS * 1e12), 4),
                matmul_floor_ms=round(flops / (tflops * 1e12) * 1e3, 2), matmul_tflops=round(tflops, 1),
                first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4))
+    if not graph:
+        row["peak_phase_gb"] = phase_peaks(fn, opt, ids)
     if profile:
         with open(profile, "w") as f:
             f.write(profile_budget(step, row))
     return row
+
+
+def phase_peaks(fn, opt, ids) -> dict[str, float]:
+    """Peak allocated GB (everything alive: weights, optimiser state, activations) during the forward, the
+    backward and the optimiser step of one more step: where the step's memory peak sits, so the lever
+    that lowers it can be chosen (activations and the loss head bind in forward, gradients in backward)."""
+    def peak_of(work) -> tuple[float, object]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        out = work()
+        torch.cuda.synchronize()
+        return round(torch.cuda.max_memory_allocated() / 1e9, 2), out
+
+    peaks = {}
+    peaks["forward"], loss = peak_of(lambda: fn(ids, ids))
+    peaks["backward"], _ = peak_of(loss.backward)
+    peaks["optimizer"], _ = peak_of(opt.step)
+    opt.zero_grad(set_to_none=True)
+    return peaks
 
 
 # Kernel-name patterns -> category, first match wins.
@@ -214,7 +235,7 @@ def profile_budget(step, row: dict) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
@@ -224,8 +245,9 @@ def profile_budget(step, row: dict) -> str:
         t = getattr(e, "device_time_total", None)
         if t is None:
             t = e.cuda_time_total
-        if t <= 0 or e.key.startswith("ProfilerStep") or e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+        if (t <= 0 or e.key.startswith(("ProfilerStep", "Optimizer.")) or "#" in e.key
+                or e.device_type != torch.autograd.DeviceType.CUDA):
+            continue  # user annotations (Optimizer.step#AdamW.step) span kernels counted on their own
         t = t / 2 / 1e3  # ms per step
         cat = next((c for c, pat in CATEGORIES if re.search(pat, e.key, re.I)), "other elementwise/reductions")
         per_cat[cat] = per_cat.get(cat, 0.0) + t
@@ -244,7 +266,44 @@ def profile_budget(step, row: dict) -> str:
     lines += ["", "Top 25 kernels (ms/step):"]
     for k, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:25]:
         lines.append(f"{t:9.2f}  {k[:110]}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *gemm_table(prof)]) + "\n"
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def gemm_flops(shapes: list) -> int:
+    """2*m*k*n of a GEMM op from its recorded input shapes: the first (m, k) and (k, n) operands that chain."""
+    mats = [tuple(s) for s in shapes if isinstance(s, (list, tuple)) and len(s) in (2, 3)]
+    for a, b in zip(mats, mats[1:], strict=False):
+        if len(a) == len(b) and a[:-2] == b[:-2] and a[-1] == b[-2]:
+            batch = a[0] if len(a) == 3 else 1
+            return 2 * batch * a[-2] * a[-1] * b[-1]
+    return 0
+
+
+def gemm_table(prof, steps: int = 2, top: int = 30) -> list[str]:
+    """GEMM ops grouped by input shapes: GPU ms per step, calls per step, achieved TFLOP/s (text lines).
+
+    Where the step's matmul time goes, shape by shape, so two implementations can be compared GEMM
+    for GEMM (which projection, which pass), not only kernel name by kernel name."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in GEMM_OPS or e.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        t = getattr(e, "device_time_total", None)
+        t = (e.cuda_time_total if t is None else t) / steps / 1e3
+        if t <= 0:
+            continue
+        calls = e.count / steps
+        flops = gemm_flops(e.input_shapes) * calls
+        rows.append((t, calls, flops / (t * 1e-3) / 1e12 if flops else float("nan"), e.key, e.input_shapes))
+    total = sum(r[0] for r in rows)
+    lines = [f"GEMM ops by input shapes ({total:.1f} ms/step in {len(rows)} groups; top {top}):",
+             f"{'ms/step':>9s} {'calls':>6s} {'TFLOP/s':>8s}  op, input shapes"]
+    for t, calls, rate, key, shapes in sorted(rows, key=lambda r: -r[0])[:top]:
+        lines.append(f"{t:9.2f} {calls:6.1f} {rate:8.1f}  {key} {[list(s) for s in shapes if s]}")
+    return lines
 
 
 # --------------------------------------------------------------------------------------- driver
@@ -307,8 +366,10 @@ def summary(r: dict) -> str:
     if "tokens_per_s" not in r:
         return f"{head}  {'OOM' if r.get('oom') else 'ERROR ' + r.get('error', '')}"
     return (f"{head}  {r['tokens_per_s']:9.0f} tok/s  {r['step_ms']:7.1f} ms (floor {r['matmul_floor_ms']:.1f})  "
-            f"MFU {100 * r['mfu']:4.1f}%  peak {r['peak_mem_gb']:5.1f} GB  loss {r['first_loss']}->{r['last_loss']}  "
-            f"[{r['wall_s']} s]")
+            f"MFU {100 * r['mfu']:4.1f}%  peak {r['peak_mem_gb']:5.1f} GB"
+            + (" (fwd/bwd/opt {forward}/{backward}/{optimizer})".format(**r["peak_phase_gb"])
+               if "peak_phase_gb" in r else "")
+            + f"  loss {r['first_loss']}->{r['last_loss']}  [{r['wall_s']} s]")
 
 
 def merge(path: str, rows: list[dict], extra: dict) -> None:

@@ -263,6 +263,25 @@ def fsdp_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def linear_table(d: dict) -> str:
+    """Projection GEMMs (bench_linear): one fused q/k/v or gate+up GEMM against one GEMM per part, per pass."""
+    rows = {(r["model"], r["batch"], r["proj"], r["layout"], r["pass"]): r for r in d["rows"]}
+    lines = [f"Projection GEMMs of one decoder layer (`benchmarks/bench_linear.py`), kernel time, on {_env(d)}; "
+             f"square bf16 matmul {d['matmul_tflops']:.0f} TFLOP/s. Fused: one GEMM over the (q+k+v) or "
+             "(gate+up) weight, as ligermodels runs them; split: one GEMM per part, as transformers does.", "",
+             "| model, batch | projection | fwd fused / split (ms) | input grad fused / split | "
+             "weight grad fused / split |", "|---|---|---|---|---|"]
+    for model, batch, proj, layout, pas in rows:
+        if layout != "fused" or pas != "fwd" or (model, batch, proj, "split", "fwd") not in rows:
+            continue
+        cells = []
+        for p in ("fwd", "dgrad", "wgrad"):
+            f, s = rows[(model, batch, proj, "fused", p)], rows[(model, batch, proj, "split", p)]
+            cells.append(f"{f['ms']:.3f} / {s['ms']:.3f} ({f['tflops']:.0f} / {s['tflops']:.0f} TFLOP/s)")
+        lines.append(f"| {model}, {batch} x 2048 | {proj} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def decode_table(d: dict) -> str:
     lines = [f"Greedy decoding, on {_env(d)}.", "", "| impl | batch | tokens/s |", "|---|---|---|"]
     for r in d["rows"]:
@@ -279,8 +298,8 @@ def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
     if e2e_pngs:
         parts += [f"![training step: tokens/s and peak memory on {gpu}]({os.path.relpath(png, ROOT)})"
                   for gpu, png in e2e_pngs.items()]
-    for prefix, fn in (("kernels", kernels_table), ("flce", flce_table), ("decode", decode_table),
-                       ("fsdp", fsdp_table)):
+    for prefix, fn in (("kernels", kernels_table), ("flce", flce_table), ("linear", linear_table),
+                       ("decode", decode_table), ("fsdp", fsdp_table)):
         d = _latest(prefix)
         if d:
             parts.append(fn(d))

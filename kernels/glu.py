@@ -201,23 +201,29 @@ class GLUFunction(torch.autograd.Function):
 
 
 class GLULinearFunction(torch.autograd.Function):
-    """Autograd wrapper of ``glu_linear``: saves the packed gate+up and the weight, not the activation."""
+    """Autograd wrapper of ``glu_linear``: saves the packed gate+up and the weight; the activation
+    too when ``keep_activation`` (else the backward kernel writes it again)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
+                keep_activation: bool = False) -> torch.Tensor:
+        h = _glu_fwd(x, None, act)
+        ctx.save_for_backward(x, weight, *([h] if keep_activation else []))
         ctx.act, ctx.has_bias = act, bias is not None
-        return F.linear(_glu_fwd(x, None, act), weight, bias)
+        return F.linear(h, weight, bias)
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        x, weight, *kept = ctx.saved_tensors
         d2 = dout.reshape(-1, dout.shape[-1])
         dh = d2 @ weight  # (M, I)
-        dx, h = _glu_bwd_recompute(dh, x, ctx.act)
+        if kept:
+            h, dx = kept[0], _glu_bwd(dh, x, None, ctx.act)
+        else:
+            dx, h = _glu_bwd_recompute(dh, x, ctx.act)
         dw = d2.t() @ h.view(-1, h.shape[-1])
         db = d2.sum(0) if ctx.has_bias else None
-        return dx.view(x.shape), dw, db, None
+        return dx.view(x.shape), dw, db, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -250,7 +256,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
 
 
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               activation: str = "silu") -> torch.Tensor:
+               activation: str = "silu", keep_activation: bool = False) -> torch.Tensor:
     """``F.linear(glu(x), weight, bias)``: the GLU of a packed gate+up tensor followed by the down projection.
 
     The same numbers as :func:`swiglu` / :func:`geglu` then ``F.linear``, with less memory: the
@@ -260,6 +266,9 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         x: packed (..., 2*I) gate+up (gate first).
         weight: (H, I) down-projection weight; bias: (H,) or None.
         activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU, tanh or erf).
+        keep_activation: keep the (..., I) activation for backward instead of writing it again there
+            (inside an activation-checkpointed layer, where keeping it costs no memory; the backward
+            kernel then moves five (..., I) tensors instead of six).
     Returns:
         (..., H) in the input dtype.
     """
@@ -270,7 +279,7 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"glu_linear: x's last dim {x.shape[-1]} must be twice weight's {weight.shape[-1]}")
     if not use_triton(x):
         return F.linear(glu_reference(x, None, act), weight, bias)
-    return GLULinearFunction.apply(x, weight, bias, act)
+    return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,11 @@ Forward:   (y, h) = fused_add_rms_norm(x, residual, w_norm);   out = y @ W.T (+ 
 Backward:  y = rms_norm(h, w_norm) again;  dW = dout.T @ y;  db = sum(dout);  dy = dout @ W;
            (dx, dw_norm) = the norm's backward with the residual stream's own gradient dh added.
 
+Inside an activation-checkpointed layer the trade is the other way round: nothing the layer saves
+outlives its own backward (the checkpoint recomputes the layer's forward first), so writing ``y``
+again only costs time. ``keep_output=True`` keeps ``y`` for backward instead (set by
+``ligermodels.train.apply_activation_checkpointing`` on the layers it wraps).
+
 Numbers are those of ``linear(rms_norm(...))`` exactly: the same kernels produce ``y`` both times
 and the GEMMs are the ones autograd's linear would run. The kernels live in :mod:`kernels.rms_norm`;
 this module only composes them with the two GEMMs in one ``autograd.Function``.
@@ -43,14 +48,16 @@ def _linear_backward(dout: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, 
 
 
 class RMSNormLinearFunction(torch.autograd.Function):
-    """``forward(x, residual, norm_weight, weight, bias, eps, offset, casting)`` -> (out, h).
+    """``forward(x, residual, norm_weight, weight, bias, eps, offset, casting, keep_output)`` -> (out, h).
 
     ``residual`` may be None (first layer: h is x itself and only ``out`` is returned). Saves h,
-    the two weights and the per-row rstd; not the norm output.
+    the two weights and the per-row rstd; the norm output y too when ``keep_output`` (else backward
+    writes it again).
     """
 
     @staticmethod
-    def forward(ctx, x, residual, norm_weight, weight, bias, eps: float, offset: float, casting: int):
+    def forward(ctx, x, residual, norm_weight, weight, bias, eps: float, offset: float, casting: int,
+                keep_output: bool = False):
         if residual is None:
             y, rstd = _rms_norm_fwd(x, norm_weight, eps, offset, casting)
             h = x
@@ -60,7 +67,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
         # embedding rotates the q/k/v projection output in place, which autograd forbids on views).
         out = torch.ops.aten._unsafe_view(F.linear(y.reshape(-1, y.shape[-1]), weight, bias),
                                           (*y.shape[:-1], weight.shape[0]))
-        ctx.save_for_backward(h, norm_weight, weight, rstd)
+        ctx.save_for_backward(h, norm_weight, weight, rstd, *([y] if keep_output else []))
         ctx.norm = (eps, offset, casting)
         ctx.has_residual = residual is not None
         if residual is None:
@@ -71,16 +78,17 @@ class RMSNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor | None, dh: torch.Tensor | None = None):
-        h, norm_weight, weight, rstd = ctx.saved_tensors
+        h, norm_weight, weight, rstd, *kept = ctx.saved_tensors
         eps, offset, casting = ctx.norm
         needs_w, needs_b = ctx.needs_input_grad[3:5]
         if dout is None:  # only h was used downstream: the projection contributes nothing
-            return dh, dh, None, None, None, None, None, None
-        y, _ = _rms_norm_fwd(h, norm_weight, eps, offset, casting)  # the norm output, written again
+            return dh, dh, None, None, None, None, None, None, None
+        # the norm output: kept from forward, or written again
+        y = kept[0] if kept else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
         dy, dw, db = _linear_backward(dout, y, weight, needs_w, needs_b)
-        del y
+        del y, kept
         dx, dnw = _rms_norm_bwd(dy, dy if dh is None else dh, h, norm_weight, rstd, offset, dh is not None)
-        return dx, (dx if ctx.has_residual else None), dnw, dw, db, None, None, None
+        return dx, (dx if ctx.has_residual else None), dnw, dw, db, None, None, None, None
 
 
 def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -95,13 +103,15 @@ def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight
 
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
-                    casting: str = "llama"):
+                    casting: str = "llama", keep_output: bool = False):
     """``linear(rms_norm(x + residual), weight, bias)`` without keeping the norm output for backward.
 
     Args:
         x: (..., H); residual: (..., H) like x, or None.
         norm_weight, eps, offset, casting: the norm's, as in :func:`kernels.rms_norm`.
         weight: (N, H) projection; bias: (N,) or None.
+        keep_output: keep the (..., H) norm output for backward instead of writing it again there
+            (inside an activation-checkpointed layer, where keeping it costs no memory).
     Returns:
         (..., N) projection output; with a residual, ``(out, h)`` where h = x + residual (..., H) is
         the new residual stream, as :func:`kernels.fused_add_rms_norm` returns it.
@@ -115,4 +125,5 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
         raise ValueError(f"rms_norm_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if not use_triton(x):
         return rms_norm_linear_reference(x, norm_weight, weight, bias, residual, eps, offset, casting)
-    return RMSNormLinearFunction.apply(x, residual, norm_weight, weight, bias, float(eps), float(offset), code)
+    return RMSNormLinearFunction.apply(x, residual, norm_weight, weight, bias, float(eps), float(offset), code,
+                                       bool(keep_output))

@@ -40,6 +40,9 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"):
         super().__init__()
         self.eps, self.offset, self.casting = eps, offset, casting
+        #: ``project`` keeps the norm output for backward instead of writing it again there: set on
+        #: the norms of activation-checkpointed layers, whose saved tensors never outlive the layer's backward.
+        self.keep_output = False
         self.weight = nn.Parameter(torch.empty(dim))
         self.reset_parameters()
 
@@ -59,7 +62,7 @@ class RMSNorm(nn.Module):
         (..., H) -> (..., N); with a residual, ((..., N) projection, (..., H) new residual stream).
         """
         return rms_norm_linear(x, self.weight, linear.weight, linear.bias, residual, self.eps, self.offset,
-                               self.casting)
+                               self.casting, self.keep_output)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, casting={self.casting}"
@@ -146,6 +149,9 @@ class MLP(nn.Module):
         self.activation = c.activation
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        #: ``glu_down`` keeps the (B, S, I) activation for backward instead of writing it again there
+        #: (set, like ``RMSNorm.keep_output``, inside activation-checkpointed layers).
+        self.keep_activation = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, H) normalised input -> (B, S, H)."""
@@ -153,7 +159,7 @@ class MLP(nn.Module):
 
     def glu_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(B, S, 2*I) packed gate+up projection output -> (B, S, H)."""
-        return glu_linear(gate_up, self.down.weight, self.down.bias, self.activation)
+        return glu_linear(gate_up, self.down.weight, self.down.bias, self.activation, self.keep_activation)
 
 
 class DecoderLayer(nn.Module):

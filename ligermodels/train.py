@@ -73,6 +73,7 @@ from checkpoints_tools import CheckpointError, load_hf, read_config, resolve, sa
 from checkpoints_tools.hub import safetensors_files
 from kernels import AdamW
 from ligermodels import demo_corpus
+from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.config import DecoderConfig
 from ligermodels.data import DataError, Document, PackedRows, count_loss_tokens, read_jsonl, special_token_ids, tokenize
 from ligermodels.families import UnsupportedConfigError, config_from_hf, family_of
@@ -257,11 +258,21 @@ def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
-    """Wrap each decoder layer: "full" recomputes it in backward, "selective" recomputes all but matmuls/attention."""
+    """Wrap each decoder layer: "full" recomputes it in backward, "selective" recomputes all but matmuls/attention.
+
+    The wrapped layers' norms and MLP then keep their outputs for backward (``RMSNorm.keep_output``,
+    ``MLP.keep_activation``) instead of writing them again there: inside a checkpoint nothing saved
+    outlives the layer's own backward, so recomputing them a second time would only cost time.
+    """
     if mode == "none":
         return
     kwargs = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts, _selective_policy)}
     for i, layer in enumerate(model.layers):
+        for m in layer.modules():
+            if isinstance(m, RMSNorm):
+                m.keep_output = True
+            elif isinstance(m, MLP):
+                m.keep_activation = True
         model.layers[i] = checkpoint_wrapper(layer, **kwargs)
 
 

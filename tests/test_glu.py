@@ -147,6 +147,32 @@ def test_glu_linear_matches_float64_and_the_unfused_ops(activation, bias, dtype)
             assert ours <= 1.05 * theirs + 1e-6, f"{what}: {ours:.2e} worse than unfused {theirs:.2e}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu_linear_keep_activation_gives_the_same_numbers_and_saves_the_activation(dtype, monkeypatch):
+    """keep_activation=True (inside checkpointed layers): bitwise the same output and gradients, the
+    (..., I) activation saved for backward, and the backward kernel that does not write it again."""
+    import kernels.glu as glu
+
+    recomputes = []
+    recompute = glu._glu_bwd_recompute
+    monkeypatch.setattr(glu, "_glu_bwd_recompute", lambda *a: recomputes.append(1) or recompute(*a))
+    x = randn(3, 7, 2 * 389, dtype=dtype, scale=2.0, seed=21).requires_grad_()
+    w = randn(77, 389, dtype=dtype, scale=0.05, seed=22).requires_grad_()
+    b = randn(77, dtype=dtype, seed=23).requires_grad_()
+    dout = randn(3, 7, 77, dtype=dtype, seed=24)
+    assert_triton_runs(x)
+    results = {}
+    for keep in (False, True):
+        out = glu_linear(x, w, b, "gelu_tanh", keep_activation=keep)
+        saved = {tuple(t.shape) for t in out.grad_fn.saved_tensors}
+        recomputes.clear()
+        results[keep] = (out, *torch.autograd.grad(out, [x, w, b], dout), saved)
+        assert len(recomputes) == (0 if keep else 1)
+    assert results[True][-1] == results[False][-1] | {(3, 7, 389)}
+    for a, c in zip(results[False][:-1], results[True][:-1], strict=True):
+        assert torch.equal(a, c)
+
+
 def test_glu_linear_keeps_only_the_packed_input_for_backward():
     """The saved tensors are x and the weight: no (..., I) activation stays alive until backward."""
     x = randn(4, 2 * 64).requires_grad_()

@@ -107,6 +107,35 @@ def test_rms_norm_linear_keeps_only_the_residual_stream_for_backward():
     assert unfused == 2 * act
 
 
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "first_layer"])
+def test_rms_norm_linear_keep_output_gives_the_same_numbers_and_saves_the_norm_output(residual, monkeypatch):
+    """keep_output=True (inside checkpointed layers): bitwise the same output and gradients, and the
+    norm output saved for backward next to h instead of written again there."""
+    import kernels.norm_linear as nl
+
+    calls = []
+    fwd = nl._rms_norm_fwd
+    monkeypatch.setattr(nl, "_rms_norm_fwd", lambda *a: calls.append(1) or fwd(*a))
+    x, r, nw, w, b = _inputs((3, 7, 320), 96, torch.bfloat16, residual, True, seed=12)
+    dout = randn(3, 7, 96, dtype=torch.bfloat16, seed=13)
+    dh = randn(3, 7, 320, dtype=torch.bfloat16, seed=14)
+    assert_triton_runs(x)
+    act = x.numel() * x.element_size()
+    results = {}
+    for keep in (False, True):
+        def run(keep=keep):
+            return rms_norm_linear(x, nw, w, b, r, keep_output=keep)
+        res = run()
+        outs, grads_in = ([res[0], res[1]], [dout, dh]) if residual else ([res], [dout])
+        calls.clear()
+        grads = torch.autograd.grad(outs, _leaves(x, r, nw, w, b), grads_in)
+        assert len(calls) == (0 if keep else 1)  # the norm forward runs again in backward only without keep
+        results[keep] = (*outs, *grads, _saved_activation_bytes(run, x.numel()))
+    assert results[False][-1] == act and results[True][-1] == 2 * act
+    for a, c in zip(results[False][:-1], results[True][:-1], strict=True):
+        assert torch.equal(a, c)
+
+
 def test_rms_norm_linear_partial_use():
     """Only the projection used (h's gradient absent), or only h used (the projection's absent)."""
     x, r, nw, w, b = _inputs((2, 5, 128), 64, torch.float32, True, True, seed=6)

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from ligermodels import LigerLlama, document_ids_from_positions
+from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.data import (
     IGNORE_INDEX,
     DataError,
@@ -362,5 +363,9 @@ def test_activation_checkpointing_keeps_gradients(checkpoint, mode):
 
     ref, got = grads("none"), grads(mode)
     assert ref.keys() == got.keys()
+    model = LigerLlama.from_hf(checkpoint, dtype=torch.float32)
+    apply_activation_checkpointing(model, mode)  # checkpointed layers keep their norm and GLU outputs
+    assert all(m.keep_output for m in model.modules() if isinstance(m, RMSNorm) and m is not model.norm)
+    assert all(m.keep_activation for m in model.modules() if isinstance(m, MLP)) and not model.norm.keep_output
     for k in ref:
         assert _rel(got[k], ref[k]) <= 1e-6, k
