@@ -190,7 +190,12 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
                matmul_floor_ms=round(flops / (tflops * 1e12) * 1e3, 2), matmul_tflops=round(tflops, 1),
                first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4))
     if not graph:
-        row["peak_phase_gb"] = phase_peaks(fn, opt, ids)
+        try:
+            row["peak_phase_gb"] = phase_peaks(fn, opt, ids)
+        except torch.OutOfMemoryError:  # the timed steps fit; an extra untimed one must not turn the row into OOM
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            row["peak_phase_gb"] = None
     if profile:
         with open(profile, "w") as f:
             f.write(profile_budget(step, row))
@@ -291,8 +296,8 @@ def gemm_table(prof, steps: int = 2, top: int = 30) -> list[str]:
     for e in prof.key_averages(group_by_input_shape=True):
         if e.key not in GEMM_OPS or e.device_type == torch.autograd.DeviceType.CUDA:
             continue
-        t = getattr(e, "device_time_total", None)
-        t = (e.cuda_time_total if t is None else t) / steps / 1e3
+        t = getattr(e, "self_device_time_total", None)  # the op's own kernels, never a nested op's twice
+        t = (getattr(e, "self_cuda_time_total", 0) if t is None else t) / steps / 1e3
         if t <= 0:
             continue
         calls = e.count / steps
@@ -368,7 +373,7 @@ def summary(r: dict) -> str:
     return (f"{head}  {r['tokens_per_s']:9.0f} tok/s  {r['step_ms']:7.1f} ms (floor {r['matmul_floor_ms']:.1f})  "
             f"MFU {100 * r['mfu']:4.1f}%  peak {r['peak_mem_gb']:5.1f} GB"
             + (" (fwd/bwd/opt {forward}/{backward}/{optimizer})".format(**r["peak_phase_gb"])
-               if "peak_phase_gb" in r else "")
+               if r.get("peak_phase_gb") else "")
             + f"  loss {r['first_loss']}->{r['last_loss']}  [{r['wall_s']} s]")
 
 

@@ -267,8 +267,8 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         weight: (H, I) down-projection weight; bias: (H,) or None.
         activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU, tanh or erf).
         keep_activation: keep the (..., I) activation for backward instead of writing it again there
-            (inside an activation-checkpointed layer, where keeping it costs no memory; the backward
-            kernel then moves five (..., I) tensors instead of six).
+            (inside an activation-checkpointed layer, where it is kept only through that layer's
+            backward; the backward kernel then moves five (..., I) tensors instead of six).
     Returns:
         (..., H) in the input dtype.
     """
