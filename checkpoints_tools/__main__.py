@@ -1,7 +1,9 @@
-"""Command line: ``python -m checkpoints_tools verify DIR_OR_REPO [--dtype fp32] [--device cpu]``.
+"""Command line: ``python -m checkpoints_tools verify DIR_OR_REPO [--dtype fp32] [--device cpu] [--tol T]``.
 
 Loads the checkpoint with ligermodels and, when transformers is installed, with transformers too,
-runs both on the same random tokens and prints the relative error of the logits.
+runs both on the same random tokens and prints the relative error of the logits. Exits 1 (with a
+FAIL line on stderr) when that error exceeds ``--tol`` (default by dtype, see DEFAULT_TOL), 0
+otherwise (also when transformers is missing and only the load was checked).
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ import torch
 
 from checkpoints_tools.hf_io import load_hf, to_dtype
 from checkpoints_tools.hub import resolve
+
+#: Default --tol by dtype: about 10x the relative logit error of a correct load of tiny random models in
+#: that dtype (fp32 ~3e-7, fp16 ~1e-3, bf16 ~7e-3: both sides round differently), yet below what a wrong
+#: config field gives (e.g. rms_norm_eps 1e-6 instead of 1e-5 gives ~1e-3 in fp32).
+DEFAULT_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 def verify(repo_or_dir: str, dtype: str = "fp32", device: str = "cpu", seq: int = 32, batch: int = 2,
@@ -47,8 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--dtype", default="fp32")
     v.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     v.add_argument("--revision", default=None)
+    v.add_argument("--tol", type=float, default=None,
+                   help="largest relative logit error that passes (exit 1 above it); default by dtype: "
+                        + ", ".join(f"{str(k).removeprefix('torch.')} {t:g}" for k, t in DEFAULT_TOL.items()))
     args = ap.parse_args(argv)
-    verify(args.model, args.dtype, args.device, revision=args.revision)
+    tol = args.tol if args.tol is not None else DEFAULT_TOL[to_dtype(args.dtype)]
+    err = verify(args.model, args.dtype, args.device, revision=args.revision)
+    if err is None:
+        return 0
+    if not err <= tol:  # NaN fails too
+        print(f"FAIL: the relative error {err:.3e} exceeds the tolerance {tol:g}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from checkpoints_tools.hub import CheckpointError, resolve, safetensors_files
@@ -45,26 +46,65 @@ def read_config(directory: str) -> dict:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"{directory} has no config.json")
-    with open(path) as f:
-        return json.load(f)
+    return _read_json(path, "config.json")
+
+
+def _read_json(path: str, what: str) -> dict:
+    """A JSON object from ``path``; unreadable or non-object JSON is a CheckpointError naming the file."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: {what} holds a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def _open_safetensors(path: str):
+    """An open ``safe_open`` handle (entered); a truncated or corrupt file is a CheckpointError naming it."""
+    try:
+        return safe_open(path, framework="pt").__enter__()
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
 
 def _hf_index(directory: str) -> dict[str, str]:
-    """HF tensor name -> safetensors file path, for single-file and sharded checkpoints."""
+    """HF tensor name -> safetensors file path, for single-file and sharded checkpoints.
+
+    As in transformers, ``model.safetensors`` wins when it exists, even beside an index (a directory
+    re-saved unsharded may keep a stale ``model.safetensors.index.json``); otherwise the index names the
+    shards; otherwise every ``*.safetensors`` file is read.
+    """
+    single = os.path.join(directory, "model.safetensors")
     index_path = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+    if os.path.isfile(single):
+        paths = [single]
+    elif os.path.isfile(index_path):
+        weight_map = _read_json(index_path, "the shard index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index_path}: the shard index has no \"weight_map\" object "
+                                  "(tensor name -> shard file)")
         files = {os.path.join(directory, v) for v in weight_map.values()}
         absent = sorted(os.path.basename(p) for p in files if not os.path.isfile(p))
         if absent:
             raise CheckpointError(f"{directory}: shard(s) {absent} named by model.safetensors.index.json are missing")
         return {k: os.path.join(directory, v) for k, v in weight_map.items()}
+    else:
+        paths = safetensors_files(directory)
     index = {}
-    for path in safetensors_files(directory):
-        with safe_open(path, framework="pt") as f:
-            index.update({k: path for k in f.keys()})
+    for path in paths:
+        handle = _open_safetensors(path)
+        try:
+            index.update({k: path for k in handle.keys()})
+        finally:
+            handle.__exit__(None, None, None)
     return index
+
+
+#: safetensors header dtypes a checkpoint tensor may have: floating point, converted to the load dtype.
+#: Integer / bool / fp8 tensors (quantized weights without their scales, ...) are refused, not cast.
+LOADABLE_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
@@ -86,15 +126,18 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
         raise CheckpointError(f"{repo_or_dir!r} is a {family.model_type!r} checkpoint, not {expect.model_type!r}: "
                               f"use {family.cls.__name__} or AutoLigerModel")
     config = family.read_config(hf_cfg)
-    dtype = to_dtype(dtype) or to_dtype(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")) or torch.float32
+    try:
+        cfg_dtype = to_dtype(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")) if dtype is None else None
+    except ValueError as e:
+        raise CheckpointError(f"{directory}/config.json: field dtype/torch_dtype: {e}; pass dtype= explicitly") from e
+    dtype = to_dtype(dtype) or cfg_dtype or torch.float32
     device = torch.device(device or "cpu")
     index = _hf_index(directory)
 
     with torch.device("meta"):
         model = family.cls(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    params = dict(model.named_parameters())
-    plan = native_to_hf(list(params), config, family.keymap)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    plan = native_to_hf(list(shapes), config, family.keymap)
     missing = sorted({p for parts in plan.values() for p in parts if p not in index})
     if missing:
         raise CheckpointError(f"{directory}: checkpoint lacks tensor(s) {missing[:8]}"
@@ -108,20 +151,36 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
 
     handles: dict[str, object] = {}
     try:
+        # Every planned tensor's presence, shape and dtype from the safetensors headers, before allocating.
+        keys: dict[str, set[str]] = {}
+        for path in sorted({index[p] for p in used}):
+            handles[path] = _open_safetensors(path)
+            keys[path] = set(handles[path].keys())
+        for name, shape in shapes.items():
+            parts = plan[name]
+            for hf_name, size in zip(parts, part_sizes(name, config, len(parts), shape[0]), strict=True):
+                path = index[hf_name]
+                if hf_name not in keys[path]:
+                    raise CheckpointError(f"{path}: lacks tensor {hf_name} (model.safetensors.index.json places "
+                                          "it in this file)")
+                info = handles[path].get_slice(hf_name)
+                found, expected = tuple(info.get_shape()), (size, *shape[1:])
+                if found != expected:
+                    raise CheckpointError(f"{directory}: tensor {hf_name} has shape {found}, expected {expected} "
+                                          f"(from config.json) in {os.path.basename(path)}")
+                if info.get_dtype() not in LOADABLE_DTYPES:
+                    raise CheckpointError(f"{directory}: tensor {hf_name} in {os.path.basename(path)} has dtype "
+                                          f"{info.get_dtype()}; only floating-point tensors "
+                                          f"({', '.join(LOADABLE_DTYPES)}) are loaded (quantized checkpoints are "
+                                          "not supported)")
+        model = model.to(dtype=dtype).to_empty(device=device)
+        params = dict(model.named_parameters())
         with torch.no_grad():
             for name, param in params.items():
                 parts = plan[name]
-                sizes = part_sizes(name, config, len(parts), param.shape[0])
                 offset = 0
-                for hf_name, size in zip(parts, sizes, strict=True):
-                    path = index[hf_name]
-                    if path not in handles:
-                        handles[path] = safe_open(path, framework="pt").__enter__()
-                    tensor = handles[path].get_tensor(hf_name)
-                    expected = (size, *param.shape[1:])
-                    if tuple(tensor.shape) != expected:
-                        raise CheckpointError(f"{directory}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                                              f"expected {expected} (from config.json)")
+                for hf_name, size in zip(parts, part_sizes(name, config, len(parts), param.shape[0]), strict=True):
+                    tensor = handles[index[hf_name]].get_tensor(hf_name)
                     param[offset:offset + size].copy_(tensor)
                     offset += size
                     del tensor
@@ -143,20 +202,69 @@ def hf_tensors(state: dict[str, torch.Tensor], config: DecoderConfig) -> Iterato
         yield from zip(parts, torch.split(t, sizes, dim=0), strict=True)
 
 
+#: Entries a directory may hold for ``save_hf_state`` to replace it: what a checkpoint consists of.
+_CHECKPOINT_FILE = re.compile(r"config\.json|model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|"
+                              r"model\.safetensors\.index\.json")
+
+
+def _check_replaceable(out_dir: str) -> None:
+    """Refuse to replace ``out_dir`` unless it is absent, empty, or holds only checkpoint files.
+
+    Saving replaces the whole directory (atomically, by a rename), so anything else in it -- logs,
+    optimiser state, source files of a working directory given as ``"."`` -- would be deleted.
+    """
+    if not os.path.lexists(out_dir):
+        return
+    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not a directory: refusing to replace it with a checkpoint")
+    others = sorted(e for e in os.listdir(out_dir) if not (_CHECKPOINT_FILE.fullmatch(e) or e in TOKENIZER_FILES)
+                    or not os.path.isfile(os.path.join(out_dir, e)))
+    if others:
+        raise CheckpointError(f"{out_dir} holds entries that are not checkpoint files ({others[:5]}"
+                              + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+                              + "): saving replaces the whole directory, so give an empty or new directory")
+
+
+def _check_state(state: dict[str, torch.Tensor], config: DecoderConfig) -> None:
+    """Refuse a state dict whose names or shapes are not those of the family's model for ``config``
+    (compared with the model built on the meta device; a tied config may omit ``head.weight``)."""
+    with torch.device("meta"):
+        model = family_of(config.model_type).cls(config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if config.tie_embeddings:
+        expected.setdefault("head.weight", expected["embed.weight"])
+    optional = {"head.weight"} if config.tie_embeddings else set()
+    missing = sorted(n for n in expected if n not in state and n not in optional)
+    extra = sorted(n for n in state if n not in expected)
+    shapes = sorted(f"{n} {tuple(t.shape)} (expected {expected[n]})" for n, t in state.items()
+                    if n in expected and tuple(t.shape) != expected[n])
+    problems = [f"{what} {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                for what, names in (("missing tensor(s)", missing), ("unexpected tensor(s)", extra),
+                                    ("wrong shape(s)", shapes)) if names]
+    if problems:
+        raise CheckpointError(f"state dict does not match a {config.model_type} model with this config: "
+                              + "; ".join(problems))
+
+
 def save_hf_state(state: dict[str, torch.Tensor], config: DecoderConfig, out_dir: str,
                   max_shard_bytes: int = 5 << 30, copy_from: str | None = None) -> None:
     """Write ``state`` (native names) as an HF checkpoint: config.json + (sharded) safetensors.
 
     Written to a temporary directory beside ``out_dir`` and renamed into place last, so an
     interrupted save leaves no directory that looks like a complete checkpoint. Tokenizer files
-    found in ``copy_from`` are copied along.
+    found in ``copy_from`` are copied along. Refused before anything is written (CheckpointError):
+    a state whose tensor names or shapes do not match ``config``'s model, and an existing ``out_dir``
+    that holds anything but checkpoint files (config.json, safetensors, index, tokenizer files) --
+    it is replaced as a whole, so a previous checkpoint there is overwritten but nothing else is lost.
     """
+    out_dir = os.path.abspath(out_dir)
+    _check_replaceable(out_dir)
+    _check_state(state, config)
     hf_cfg = config_to_hf(config)
     tensors = list(hf_tensors(state, config))
     if tensors:
         hf_cfg["dtype"] = str(tensors[0][1].dtype).removeprefix("torch.")
         hf_cfg.pop("torch_dtype", None)
-    out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)

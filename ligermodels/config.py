@@ -38,7 +38,9 @@ class DecoderConfig:
         pad_token_id: the embedding's padding row, as HF's ``nn.Embedding(padding_idx=pad_token_id)``:
             it receives no gradient (and starts at zero when training from scratch); None for none.
         model_type: the HF ``model_type`` this config was read from (used when saving back).
-        hf_config: the original HF config dict, kept so ``save_hf`` can write it back unchanged.
+        hf_config: the original HF config dict, kept so ``save_hf`` can write it back unchanged. It is
+            written only while it still describes this config (``config_to_hf``): after ``replace`` changes a
+            field, config.json is built from the fields instead.
     """
 
     vocab_size: int

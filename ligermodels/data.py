@@ -57,8 +57,12 @@ def read_jsonl(path: str) -> list[Example]:
     if not os.path.isfile(path):
         raise DataError(f"data file {path!r} does not exist")
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a decoding error can then name its line
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path} line {lineno}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
             if not line.strip():
                 continue
             try:
@@ -67,12 +71,18 @@ def read_jsonl(path: str) -> list[Example]:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
             rec = rec if isinstance(rec, dict) else {}
             if isinstance(rec.get("text"), str):
-                examples.append(Example("", rec["text"]))
+                example = Example("", rec["text"])
             elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
-                examples.append(Example(rec["prompt"], rec["completion"]))
+                example = Example(rec["prompt"], rec["completion"])
             else:
                 raise DataError(f'{path} line {lineno}: expected {{"text": str}} or '
                                 f'{{"prompt": str, "completion": str}}, got {line.strip()[:80]!r}')
+            try:  # a JSON escape such as "\ud800" makes a lone surrogate, which no tokenizer takes
+                (example.prompt + example.text).encode("utf-8")
+            except UnicodeEncodeError as e:
+                surrogate = e.object[e.start]
+                raise DataError(f"{path} line {lineno}: not valid Unicode (lone surrogate {surrogate!r})") from None
+            examples.append(example)
     if not examples:
         raise DataError(f"data file {path!r} holds no examples")
     return examples

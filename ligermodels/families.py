@@ -49,68 +49,123 @@ def _padding_idx(d: dict) -> int | None:
     return pad if isinstance(pad, int) and 0 <= pad < d["vocab_size"] else None
 
 
-def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
-    """Fields every family shares, read the way transformers reads them."""
+#: What each family's transformers config class (v5) uses for a field that config.json omits. Applied
+#: before reading (an explicit ``null`` in config.json is kept: transformers treats it differently, e.g.
+#: num_key_value_heads null means num_attention_heads), so a sparse config.json means the same model here
+#: as in transformers. rope_theta is 10000 and rms_norm_eps 1e-6 unless listed (RopeConfig / below).
+HF_DEFAULTS: dict[str, dict[str, object]] = {
+    "llama": dict(rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False, hidden_act="silu",
+                  attention_bias=False, mlp_bias=False, rope_theta=10000.0),
+    "qwen2": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+                  num_key_value_heads=32, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                  rope_theta=10000.0),
+    "mistral": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=False,
+                    hidden_act="silu", num_key_value_heads=8, sliding_window=4096, rope_theta=10000.0),
+    "phi3": dict(rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False, hidden_act="silu",
+                 sliding_window=None, pad_token_id=32000, rope_theta=10000.0),
+    "gemma": dict(rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True,
+                  hidden_act="gelu_pytorch_tanh", num_key_value_heads=16, head_dim=256, attention_bias=False,
+                  pad_token_id=0, rope_theta=10000.0),
+}
+
+
+def _with_defaults(d: dict, model_type: str) -> dict:
+    """``d`` with the family's transformers defaults filled in for the fields it omits (see HF_DEFAULTS);
+    the size fields have no default anyone should rely on and are required."""
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in d]
     if missing:
         raise UnsupportedConfigError(f"{model_type}: config.json lacks required field(s) {missing}")
-    _refuse_unless(d, "use_bidirectional_attention", lambda v: not v, "only causal attention", model_type)
+    return {**HF_DEFAULTS[model_type], **d}
+
+
+def _refuse_partial_rotary(d: dict, model_type: str) -> None:
+    """Partial rotary embeddings are refused wherever config.json puts the factor: top level (old layout)
+    or inside ``rope_parameters`` / ``rope_scaling`` (transformers v5 layout), which HF honours equally."""
     _refuse_unless(d, "partial_rotary_factor", lambda v: float(v) == 1.0, "rotary on part of the head", model_type)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = d.get(key)
+        if not isinstance(params, dict):
+            continue
+        nested = [p for p in params.values() if isinstance(p, dict)]  # nested by layer type
+        for p in [params, *nested]:
+            v = p.get("partial_rotary_factor")
+            if v is not None and float(v) != 1.0:
+                raise UnsupportedConfigError(f"{model_type}: config field {key}.partial_rotary_factor={v!r} is not "
+                                             "supported (rotary on part of the head)")
+
+
+def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
+    """Fields every family shares, read the way transformers reads them.
+
+    ``d`` must already hold the family's defaults (:func:`_with_defaults`); pass the original dict as
+    ``hf_config`` so that it is what gets written back.
+    """
+    _refuse_unless(d, "use_bidirectional_attention", lambda v: not v, "only causal attention", model_type)
+    _refuse_partial_rotary(d, model_type)
     head_dim = _head_dim(d)
-    fields = dict(
-        vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
-        num_layers=d["num_hidden_layers"], num_heads=d["num_attention_heads"],
-        num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=head_dim,
-        norm_eps=d.get("rms_norm_eps", 1e-6), activation=_activation(d, model_type),
-        rope=RopeConfig.from_hf({**d, "head_dim": head_dim}),
-        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_dropout=float(d.get("attention_dropout") or 0.0),
-        max_position_embeddings=d.get("max_position_embeddings", 4096),
-        pad_token_id=_padding_idx(d), model_type=model_type, hf_config=dict(d),
-    )
-    fields.update(overrides)
-    return DecoderConfig(**fields)
+    try:
+        fields = dict(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"], num_heads=d["num_attention_heads"],
+            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"], head_dim=head_dim,
+            norm_eps=d.get("rms_norm_eps", 1e-6), activation=_activation(d, model_type),
+            rope=RopeConfig.from_hf({**d, "model_type": model_type, "head_dim": head_dim}),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_dropout=float(d.get("attention_dropout") or 0.0),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            pad_token_id=_padding_idx(d), model_type=model_type, hf_config=dict(d),
+        )
+        fields.update(overrides)
+        return DecoderConfig(**fields)
+    except ValueError as e:  # e.g. num_attention_heads not a multiple of (the default) num_key_value_heads
+        if isinstance(e, UnsupportedConfigError):
+            raise
+        raise UnsupportedConfigError(f"{model_type}: config.json describes no valid model: {e}") from e
 
 
 def llama_config(d: dict) -> DecoderConfig:
     """Llama 2 / 3 / 3.1 / 3.2: attention_bias (q/k/v and o), mlp_bias, rope scaling, head_dim, tying."""
-    bias = bool(d.get("attention_bias", False))
-    return _base(d, "llama", qkv_bias=bias, o_bias=bias, mlp_bias=bool(d.get("mlp_bias", False)))
+    d, orig = _with_defaults(d, "llama"), d
+    bias = bool(d["attention_bias"])
+    return _base(d, "llama", qkv_bias=bias, o_bias=bias, mlp_bias=bool(d["mlp_bias"]), hf_config=dict(orig))
 
 
 def qwen2_config(d: dict) -> DecoderConfig:
     """Qwen2 / Qwen2.5: q/k/v bias, optional sliding window on the layers HF marks "sliding_attention"."""
+    d, orig = _with_defaults(d, "qwen2"), d
     n = d["num_hidden_layers"]
-    window = d.get("sliding_window") if d.get("use_sliding_window", False) else None
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
     types = d.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= d.get("max_window_layers", 28) else "full_attention"
+        "sliding_attention" if window is not None and i >= d["max_window_layers"] else "full_attention"
         for i in range(n)]
     bad = sorted(set(types) - {"sliding_attention", "full_attention"})
     if bad:
         raise UnsupportedConfigError(f"qwen2: config field layer_types holds unsupported {bad}")
     windows = tuple(window if t == "sliding_attention" else None for t in types)
-    return _base(d, "qwen2", qkv_bias=True, sliding_window=window, layer_windows=windows)
+    return _base(d, "qwen2", qkv_bias=True, sliding_window=window, layer_windows=windows, hf_config=dict(orig))
 
 
 def mistral_config(d: dict) -> DecoderConfig:
     """Mistral: sliding window on every layer (or none), explicit head_dim."""
-    return _base(d, "mistral", sliding_window=d.get("sliding_window"))
+    d, orig = _with_defaults(d, "mistral"), d
+    return _base(d, "mistral", sliding_window=d.get("sliding_window"), hf_config=dict(orig))
 
 
 def phi3_config(d: dict) -> DecoderConfig:
     """Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, longrope scaling, optional sliding window."""
+    d, orig = _with_defaults(d, "phi3"), d
     for key in ("resid_pdrop", "embd_pdrop"):
         _refuse_unless(d, key, lambda v: float(v) == 0.0, "dropout on residuals/embeddings", "phi3")
-    return _base(d, "phi3", sliding_window=d.get("sliding_window"))
+    return _base(d, "phi3", sliding_window=d.get("sliding_window"), hf_config=dict(orig))
 
 
 def gemma_config(d: dict) -> DecoderConfig:
     """Gemma: GeGLU (tanh), norms scaled by (1 + weight) in fp32, sqrt(hidden) embedding scale, tied head."""
+    d, orig = _with_defaults(d, "gemma"), d
     return _base(d, "gemma", activation=_activation(d, "gemma", gelu_means_tanh=True), norm_offset=1.0,
                  norm_casting="gemma", embed_scale=math.sqrt(d["hidden_size"]),
-                 qkv_bias=bool(d.get("attention_bias", False)), o_bias=bool(d.get("attention_bias", False)),
-                 tie_embeddings=bool(d.get("tie_word_embeddings", True)))
+                 qkv_bias=bool(d["attention_bias"]), o_bias=bool(d["attention_bias"]), hf_config=dict(orig))
 
 
 # ------------------------------------------------------------------------------ family classes
@@ -176,14 +231,27 @@ def config_from_hf(d: dict) -> DecoderConfig:
     return family_of(d.get("model_type")).read_config(d)
 
 
-def config_to_hf(config: DecoderConfig) -> dict:
-    """An HF config.json dict for a config (the original one when the model was loaded from HF).
+#: config.json fields that do not change the model's math and are carried over from ``hf_config`` when a
+#: changed config is written from its fields (token ids are kept only while inside the vocabulary).
+_CARRIED_TOKEN_IDS = ("bos_token_id", "eos_token_id")
 
-    For models built from scratch this writes the fields the family's transformers config reads;
-    ``read_config(config_to_hf(c))`` reproduces ``c``.
+
+def config_to_hf(config: DecoderConfig) -> dict:
+    """An HF config.json dict that describes ``config``; ``read_config(config_to_hf(c)) == c`` always.
+
+    The original ``hf_config`` (kept verbatim, with HF-only fields such as token ids and rope details) is
+    returned only while reading it back still gives ``config``: a config changed with ``replace`` (fewer
+    layers, tied head, ...) keeps the dict it was read from, and writing that stale dict would describe
+    another model. Otherwise -- and for models built from scratch -- the fields the family's transformers
+    config reads are written from the config, plus the bos/eos token ids of ``hf_config``.
     """
+    family = family_of(config.model_type)
     if config.hf_config:
-        return dict(config.hf_config)
+        try:
+            if family.read_config(config.hf_config) == config:
+                return dict(config.hf_config)
+        except ValueError:  # the stored dict is not readable any more: build from the fields
+            pass
     c = config
     act = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}[c.activation]
     d = {
@@ -204,7 +272,12 @@ def config_to_hf(config: DecoderConfig) -> dict:
         d["use_sliding_window"] = c.sliding_window is not None
         d["sliding_window"] = c.sliding_window
         d["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in c.layer_windows]
-    if family_of(c.model_type).read_config(d).replace(hf_config={}) != c:
+    for key in _CARRIED_TOKEN_IDS:
+        tok = c.hf_config.get(key)
+        if isinstance(tok, int) and 0 <= tok < c.vocab_size or (
+                isinstance(tok, list) and all(isinstance(t, int) and 0 <= t < c.vocab_size for t in tok)):
+            d[key] = tok
+    if family.read_config(d) != c:
         raise UnsupportedConfigError(f"this config cannot be written as an HF {c.model_type!r} config.json "
                                      f"(it differs from what that family can express): {c}")
     return d

@@ -173,6 +173,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 
 
 # ------------------------------------------------------------------------------------ sampling
+def _check_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
+    """Raise ValueError, naming the argument, for values :func:`sample_next` has no meaning for."""
+    if temperature is not None and not temperature >= 0:  # `not >=` also refuses NaN
+        raise ValueError(f"temperature must be >= 0 (0 or None: greedy), got {temperature}")
+    if top_k is not None and not top_k >= 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None: off), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
+
+
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids (B,) from logits (B, V).
@@ -180,8 +190,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     ``temperature`` 0 (or None) is greedy (argmax). Otherwise, in HF's order: divide by ``temperature``,
     keep the ``top_k`` largest logits, keep the smallest set of most likely tokens whose probability
     reaches ``top_p`` (the most likely token always stays), then draw from the softmax with ``generator``
-    (which must live on the logits' device).
+    (which must live on the logits' device). A negative ``temperature``, ``top_p`` outside (0, 1] or a
+    negative ``top_k`` (0 or None: off) raises ValueError rather than sampling something else.
     """
+    _check_sampling(temperature, top_k, top_p)
     if not temperature:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -191,7 +203,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > top_p  # mass before a token already reaches top_p
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before a token already reaches top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
@@ -276,6 +288,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, temp
     """
     b, s = input_ids.shape
     device = input_ids.device
+    _check_sampling(temperature, top_k, top_p)  # before the prefill, even when greedy
     if max_new_tokens <= 0:
         return input_ids.clone()
     eos = _ids(eos_token_id)

@@ -29,7 +29,8 @@ another number of ranks), ``train_state.json`` (step, rows consumed, LR schedule
 settings) and ``rng_rankNNNNN.pt`` (each rank's RNG). It is written as ``step_XXXXXXXX.tmp`` and
 renamed when every rank's files are on disk, so ``--resume`` (which takes the newest
 ``step_XXXXXXXX``) never sees a half-written one (leftover ``*.tmp`` are deleted at start). A
-resumed run repeats the uninterrupted run's steps exactly; ``--keep-checkpoints`` prunes old ones.
+resumed run repeats the uninterrupted run's steps exactly (it must repeat the flags of
+:data:`RESUME_FLAGS`); ``--keep-checkpoints`` prunes old ones.
 ``OUT/final/`` is an HF checkpoint (config.json, safetensors, tokenizer files).
 
 Metrics: one JSON line per optimiser step in ``OUT/metrics.jsonl``: ``step`` (from 1), ``loss``
@@ -141,18 +142,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 values = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             p.error(f"--config {args.config}: {e}")
+        if not isinstance(values, dict):
+            p.error(f"--config {args.config}: expected a JSON object of flag values")
+        actions = {action.dest: action for action in p._actions}
         for key, value in values.items():
             name = key.replace("-", "_")
-            if name == "config" or name not in vars(args):
+            if name in ("config", "help") or name not in actions:
                 p.error(f"--config {args.config}: unknown key {key!r}")
             if getattr(args, name) is None:
-                setattr(args, name, value)
+                setattr(args, name, _config_value(actions[name], value, f"--config {args.config}: {key!r}", p))
     if (args.model is None) != (args.data is None):
         p.error("give both --model and --data, or neither for the built-in demo")
     args.demo = args.model is None
+    warmup_given = args.warmup_steps is not None
     for key, value in {**COMMON_DEFAULTS, **(DEMO_DEFAULTS if args.demo else RUN_DEFAULTS)}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if not warmup_given and args.steps is not None and args.steps >= 1:  # a short run: the default warmup fits it
+        args.warmup_steps = min(args.warmup_steps, args.steps)
     if args.out is None:
         p.error("--out is required")
     if args.device is None:
@@ -161,12 +168,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible")
-    for name in ("batch_size", "grad_accum", "steps", "seq_len"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    lowest = dict(batch_size=1, grad_accum=1, steps=1, log_every=1, seq_len=2, warmup_steps=0, weight_decay=0,
+                  max_grad_norm=0, save_every=0, keep_checkpoints=0)  # seq_len 1: a row with nothing to predict
+    for name, low in lowest.items():
+        value = getattr(args, name)
+        if value is not None and not value >= low:  # `not >=` also refuses NaN
+            p.error(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if not args.lr > 0:
+        p.error(f"--lr must be positive, got {args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        p.error(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
+    if args.warmup_steps > args.steps:
+        p.error(f"--warmup-steps {args.warmup_steps} exceeds --steps {args.steps}: the lr would never reach --lr")
     if args.resume and args.overwrite:
         p.error("--resume and --overwrite exclude each other")
     return args
+
+
+def _config_value(action: argparse.Action, value, where: str, p: argparse.ArgumentParser):
+    """A ``--config`` value converted as argparse converts the flag's text, so that it meets the same
+    type and choices as on the command line (``"fp16"`` is refused for ``dtype``, ``"32"`` becomes 32)."""
+    if action.nargs == 0:  # a store_true flag
+        if not isinstance(value, bool):
+            p.error(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        p.error(f"{where} must be a string or a number, got {value!r}")
+    try:
+        value = action.type(str(value)) if action.type else str(value)
+    except ValueError:
+        p.error(f"{where}: invalid {action.type.__name__} value {value!r}")
+    if action.choices is not None and value not in action.choices:
+        p.error(f"{where}: invalid choice {value!r} (choose from {', '.join(map(repr, action.choices))})")
+    return value
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -202,6 +236,27 @@ def check_out_dir(args: argparse.Namespace) -> None:
     if used and not (args.resume or args.overwrite):
         raise TrainError(f"--out {args.out} already holds a run ({', '.join(used)}): pass --resume to continue it, "
                          "--overwrite to replace it, or choose another --out")
+    if args.resume and not complete_checkpoints(args.out):  # starting over would overwrite metrics and final/
+        raise TrainError(f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}")
+
+
+#: Flags a checkpoint records and a resumed run must repeat: they fix the data order and the lr of every
+#: step, and the restored optimiser and scheduler states carry the old lr (--steps: see check_resume).
+RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "steps", "weight_decay")
+
+
+def check_resume(train_state: dict, args: argparse.Namespace, path: str) -> None:
+    """Refuse to resume ``path`` with flags other than those it was written with (see RESUME_FLAGS).
+
+    --steps may change under the constant schedule only: cosine and linear decay over --steps.
+    Checkpoints written before a flag was recorded do not hold it, and are not checked for it.
+    """
+    for key in RESUME_FLAGS:
+        if key == "steps" and args.lr_schedule == "constant":
+            continue
+        if key in train_state and train_state[key] != getattr(args, key):
+            raise TrainError(f"{path} was written with --{key.replace('_', '-')} {train_state[key]}; "
+                             f"resume with the same value (got {getattr(args, key)})")
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -233,6 +288,8 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
     tokenizer = load_tokenizer(model_dir)
     bos, eos = special_token_ids(tokenizer, model_dir)
     documents = tokenize(read_jsonl(args.data), tokenizer, bos, eos)
+    if not any(len(d.ids) > max(d.no_loss, 1) for d in documents):  # a document's first token has no label
+        raise DataError(f"{args.data}: no token carries a loss (every completion is empty and no EOS is added)")
     top = max((max(d.ids) for d in documents if d.ids), default=-1)
     if top >= config.vocab_size:
         raise TrainError(f"the tokenizer produced id {top}, outside the model's vocab_size {config.vocab_size}")
@@ -506,10 +563,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if resume_from is not None:
         with open(os.path.join(resume_from[1], "train_state.json")) as f:
             train_state = json.load(f)
-        for key in ("seq_len", "seed"):
-            if train_state[key] != getattr(args, key):
-                raise TrainError(f"{resume_from[1]} was written with --{key.replace('_', '-')} {train_state[key]}; "
-                                 f"resume with the same value (got {getattr(args, key)})")
+        check_resume(train_state, args, resume_from[1])
 
     # -- model, optimiser, schedule
     model = build_model(inputs, args, rank, world, device)
@@ -581,8 +635,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             progress.update(m)
         if args.save_every > 0 and (step % args.save_every == 0 or step == args.steps):
             state = {"step": step, "rows_consumed": rows_consumed, "scheduler": scheduler.state_dict(),
-                     "seq_len": args.seq_len, "seed": args.seed, "world_size": world, "global_rows": global_rows,
-                     "model": args.model, "data": os.path.abspath(args.data)}
+                     **{key: getattr(args, key) for key in RESUME_FLAGS}, "world_size": world,
+                     "global_rows": global_rows, "model": args.model, "data": os.path.abspath(args.data)}
             save_checkpoint(args.out, step, model, optimizer, state, rank, device, args.keep_checkpoints)
 
     # -- export, and the demo's completions

@@ -79,7 +79,7 @@ def test_missing_directory_and_offline_repo_id_are_named(tmp_path, monkeypatch):
 ])
 def test_math_changing_config_fields_are_refused_by_name(field, value, family):
     cfg = dict(model_type=family, vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-               num_attention_heads=2)
+               num_attention_heads=2, num_key_value_heads=1)  # explicit: Gemma's default (16) needs 16k heads
     config_from_hf(cfg)
     with pytest.raises(UnsupportedConfigError, match=field):
         config_from_hf({**cfg, field: value})

@@ -144,6 +144,32 @@ def test_sample_next_filters():
     assert abs((hot == 3).float().mean().item() - 0.25) < 0.05
 
 
+@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.6, 0.75, 0.8, 0.875, 0.9375, 1.0])
+def test_top_p_keeps_the_smallest_set_reaching_top_p_like_transformers(top_p):
+    """At an exact boundary (the most likely tokens sum to top_p) the next token is dropped, as in HF."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    probs = torch.tensor([0.125, 0.5, 0.0625, 0.25, 0.03125, 0.03125])  # exact in binary: ties are real ties
+    logits = probs.log()[None]
+    hf_kept = set(torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone())[0]).nonzero().flatten().tolist())
+    drawn = sample_next(logits.repeat(2000, 1), 1.0, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert set(drawn.tolist()) == hf_kept
+
+
+def test_sampling_arguments_out_of_range_raise(tiny):
+    logits = torch.log(torch.tensor([[0.97, 0.01, 0.01, 0.01]]))
+    for kwargs, name in [(dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                         (dict(temperature=1.0, top_p=0.0), "top_p"), (dict(temperature=1.0, top_p=1.5), "top_p"),
+                         (dict(temperature=1.0, top_k=-1), "top_k")]:
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            sample_next(logits, **kwargs)
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            tiny.generate(torch.ones(1, 3, dtype=torch.long, device=DEVICE), 2, **kwargs)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    greedy = tiny.generate(ids, 3)  # temperature 0 and None stay greedy; top_k 0 and top_p 1 are "off"
+    assert torch.equal(tiny.generate(ids, 3, temperature=None, top_k=0, top_p=1.0), greedy)
+
+
 def test_cached_attention_matches_masked_softmax():
     torch.manual_seed(0)
     b, s, hq, hkv, d, length = 2, 3, 6, 2, 8, 7

@@ -37,7 +37,16 @@ from ligermodels.data import (
     tokenize,
 )
 from ligermodels.demo_corpus import build_tokenizer, corpus, save_tokenizer
-from ligermodels.train import apply_activation_checkpointing, lr_factor, parse_args
+from ligermodels.train import (
+    RESUME_FLAGS,
+    TrainError,
+    apply_activation_checkpointing,
+    check_out_dir,
+    check_resume,
+    load_inputs,
+    lr_factor,
+    parse_args,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
@@ -172,6 +181,9 @@ def test_checkpoint_layout(run_two):
     assert {".metadata", "train_state.json", "rng_rank00000.pt", "rng_rank00001.pt"} <= files
     state = json.loads((ckpt / "train_state.json").read_text())
     assert state["step"] == 2 and state["rows_consumed"] == 2 * 2 * 2 and state["scheduler"]["last_epoch"] == 2
+    flags = {"seq_len": 32, "seed": 0, "lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1,
+             "steps": 4, "weight_decay": 0.1}
+    assert {key: state[key] for key in RESUME_FLAGS} == flags
 
 
 def test_hf_export_loads_in_transformers_with_equal_logits(run_two):
@@ -227,6 +239,73 @@ def test_bad_inputs_stop_before_training(capsys, tmp_path, checkpoint, data, run
     assert len(_metrics(run_two)) == 4  # untouched
 
 
+def test_resume_without_a_checkpoint_stops_before_training(capsys, tmp_path, checkpoint, data):
+    """--resume into an OUT with no finished checkpoint must not start over (and overwrite metrics, final/)."""
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_00000002.tmp").mkdir(parents=True)  # half-written: not a checkpoint
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    err = _main_error(capsys, [*_flags(checkpoint, data, out), "--resume"])
+    assert f"no complete checkpoint in {out / 'checkpoints'}" in err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_resume_with_other_lr_flags_stops_before_training(capsys, tmp_path, checkpoint, data, run_two):
+    """The restored optimiser and scheduler carry the old lr: a resume must repeat the flags that set it."""
+    out = tmp_path / "two"
+    shutil.copytree(run_two, out)
+    flags = [*_flags(checkpoint, data, out), "--save-every", "2", "--resume"]
+    err = _main_error(capsys, [*flags, "--lr", "2e-2"])
+    assert "step_00000004 was written with --lr 0.01; resume with the same value (got 0.02)" in err
+    err = _main_error(capsys, [*flags, "--steps", "6"])  # cosine decays over --steps
+    assert "--steps 4" in err and "(got 6)" in err
+    assert len(_metrics(out)) == 4
+
+
+def _resume_args(**changes):
+    flags = {"model": "m", "data": "d.jsonl", "out": "o", "seq-len": 32, "steps": 4, "warmup-steps": 1, **changes}
+    return parse_args([f for k, v in flags.items() for f in ("--" + k, str(v))])
+
+
+@pytest.mark.parametrize("flag, value", [("lr", "0.0003"), ("lr-schedule", "linear"), ("warmup-steps", "2"),
+                                         ("min-lr-ratio", "0.5"), ("steps", "8"), ("weight-decay", "0.5"),
+                                         ("seq-len", "16"), ("seed", "1")])
+def test_check_resume_refuses_each_changed_flag(flag, value):
+    state = {key: getattr(_resume_args(), key) for key in RESUME_FLAGS}
+    check_resume(state, _resume_args(), "ckpt")  # the same flags resume
+    with pytest.raises(TrainError, match=f"ckpt was written with --{flag} .*got {value}"):
+        check_resume(state, _resume_args(**{flag: value}), "ckpt")
+
+
+def test_check_resume_lets_steps_change_under_the_constant_schedule():
+    state = {key: getattr(_resume_args(**{"lr-schedule": "constant"}), key) for key in RESUME_FLAGS}
+    check_resume(state, _resume_args(**{"lr-schedule": "constant", "steps": 8}), "ckpt")
+
+
+def test_check_out_dir_refuses_resume_without_a_checkpoint(tmp_path):
+    args = parse_args(["--out", str(tmp_path), "--resume"])
+    with pytest.raises(TrainError, match="no complete checkpoint in .*checkpoints"):
+        check_out_dir(args)
+    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000002" / "train_state.json").write_text("{}")
+    check_out_dir(args)
+
+
+def test_data_without_loss_tokens_is_refused(tmp_path, checkpoint):
+    """No BOS, no EOS and one-token texts: every token starts a document, so nothing would be trained."""
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    del cfg["eos_token"]
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n{"prompt": "12", "completion": ""}\n')
+    args = parse_args(["--model", str(model), "--data", str(data), "--out", str(tmp_path / "o")])
+    with pytest.raises(DataError, match=f"{data}: no token carries a loss"):
+        load_inputs(args)
+    data.write_text('{"text": "ab"}\n')
+    assert load_inputs(args).documents[0].ids == build_tokenizer().encode("ab").ids
+
+
 def test_bad_input_stops_every_rank_under_torchrun(tmp_path, checkpoint):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": "fine"}\nnot json\n')
@@ -250,6 +329,60 @@ def test_config_file_stands_for_flags(tmp_path):
         parse_args(["--config", str(cfg)])
 
 
+@pytest.mark.parametrize("value, message", [
+    ({"dtype": "fp16"}, "'dtype': invalid choice 'fp16'"), ({"lr-schedule": "cosin"}, "invalid choice 'cosin'"),
+    ({"ac": "ful"}, "'ac': invalid choice 'ful'"), ({"device": "tpu"}, "invalid choice 'tpu'"),
+    ({"seq-len": 3.5}, "'seq-len': invalid int value 3.5"), ({"lr": "fast"}, "'lr': invalid float value 'fast'"),
+    ({"resume": "no"}, "'resume' must be true or false"), ({"steps": True}, "'steps' must be a string or a number"),
+    ({"seq-len": 1}, "--seq-len must be at least 2"),
+])
+def test_config_values_meet_the_flags_types_and_choices(tmp_path, capsys, value, message):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"model": "m", "data": "d.jsonl", "out": "o", **value}))
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert message in err and (str(cfg) in err or "--seq-len" in message)
+
+
+def test_config_values_are_converted_like_flags(tmp_path):
+    cfg = tmp_path / "run.json"
+    cfg.write_text(json.dumps({"model": "m", "data": "d.jsonl", "out": "o", "seq-len": "32", "lr": 1, "resume": True}))
+    args = parse_args(["--config", str(cfg)])
+    assert (args.seq_len, args.lr, args.resume) == (32, 1.0, True)
+    assert type(args.seq_len) is int and type(args.lr) is float
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-len", "1"], "--seq-len must be at least 2, got 1"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be at least 0"),
+    (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be between 0 and 1, got 1.5"),
+    (["--min-lr-ratio", "nan"], "--min-lr-ratio must be between 0 and 1, got nan"),
+    (["--save-every", "-2"], "--save-every must be at least 0"),
+    (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be at least 0"),
+    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--log-every", "0"], "--log-every must be at least 1"),
+    (["--steps", "10", "--warmup-steps", "11"], "--warmup-steps 11 exceeds --steps 10"),
+])
+def test_out_of_range_flags_are_refused(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_default_warmup_shrinks_to_a_short_run():
+    """Only an explicit --warmup-steps above --steps is refused; the default warmup (50) fits a 10-step run."""
+    assert parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "10"]).warmup_steps == 10
+    assert parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "100"]).warmup_steps == 50
+
+
+def test_edge_values_of_flags_are_accepted():
+    args = parse_args(["--out", "o", "--seq-len", "2", "--steps", "5", "--warmup-steps", "5", "--min-lr-ratio", "0",
+                       "--save-every", "0", "--keep-checkpoints", "0", "--max-grad-norm", "0"])
+    assert (args.seq_len, args.warmup_steps, args.max_grad_norm) == (2, 5, 0.0)
+
+
 def test_lr_schedules():
     f = lambda i, s: lr_factor(i, s, warmup=4, steps=104, min_ratio=0.1)  # noqa: E731
     assert [f(i, "cosine") for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -263,7 +396,7 @@ def test_finetune_example_script(tmp_path, checkpoint, data):
     out = tmp_path / "ft"
     res = subprocess.run(["bash", os.path.join(ROOT, "examples", "finetune.sh"), checkpoint, data, str(out),
                           "--seq-len", "32", "--batch-size", "2", "--grad-accum", "1", "--steps", "2",
-                          "--device", "cpu", "--dtype", "fp32"],
+                          "--warmup-steps", "1", "--device", "cpu", "--dtype", "fp32"],
                          cwd=ROOT, env={**ENV, "PYTHON": sys.executable, "NGPU": "1"}, capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -292,6 +425,16 @@ def test_read_jsonl_errors_name_the_line(tmp_path):
         read_jsonl(str(p))
     p.write_text("\n\n")
     with pytest.raises(DataError, match="holds no examples"):
+        read_jsonl(str(p))
+
+
+def test_read_jsonl_refuses_text_that_is_not_utf8(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')  # Latin-1
+    with pytest.raises(DataError, match=f"{p} line 2: not valid UTF-8"):
+        read_jsonl(str(p))
+    p.write_text('{"text": "ok \\ud83d\\ude00"}\n{"prompt": "a", "completion": "bad \\ud800 here"}\n')
+    with pytest.raises(DataError, match=f"{p} line 2: not valid Unicode"):  # a surrogate pair is fine
         read_jsonl(str(p))
 
 
