@@ -72,3 +72,11 @@ def check_same_device(*tensors: torch.Tensor) -> None:
     devs = {t.device for t in tensors if t is not None}
     if len(devs) > 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+
+
+def check_floating(op: str, **tensors: torch.Tensor | None) -> None:
+    """Raise ValueError naming the argument when a tensor is not floating point: the kernels would
+    compute in fp32 and round the result to an integer dtype, a silently wrong answer."""
+    for name, t in tensors.items():
+        if t is not None and not t.dtype.is_floating_point:
+            raise ValueError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")

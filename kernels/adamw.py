@@ -70,20 +70,48 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers one gap-free block of memory exactly once, in some order of its dims."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view over the memory of a dense tensor (contiguous, or dense in another order such as a
+    transpose): the kernel is elementwise, so tensors of equal strides pair up element for element."""
+    return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def _check_layout(param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
+    """Raise before any update when the kernel cannot pair ``param`` with its gradient and moments."""
+    p, g = _local(param), _local(grad)
+    what = f"kernels.AdamW: parameter of shape {tuple(p.shape)}"
+    if p.is_complex():
+        raise ValueError(f"kernels.AdamW: complex parameter of shape {tuple(p.shape)} is not supported")
+    if g.is_sparse:
+        raise RuntimeError("kernels.AdamW does not support sparse gradients")
+    if not _dense(p):
+        raise ValueError(f"{what} is not dense in memory (strides {p.stride()}); use torch.optim.AdamW")
+    for name in ("exp_avg", "exp_avg_sq"):
+        if name in state and _local(state[name]).stride() != p.stride():
+            raise ValueError(f"{what}: its {name} has strides {_local(state[name]).stride()}, the parameter "
+                             f"{p.stride()}")
+
+
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
                   weight_decay: float) -> None:
-    """Apply one AdamW update in place to ``param``, ``exp_avg``, ``exp_avg_sq`` (all one shape, contiguous).
+    """Apply one AdamW update in place to ``param``, ``exp_avg``, ``exp_avg_sq`` (one shape, dense, equal
+    strides; ``grad`` too).
 
     ``step``: a 0-dim float tensor on the parameter's device holding the step count *after* this update
     (1 on the first). ``lr``: a float, or a 0-dim tensor on the device (read by the kernel).
     """
-    p, g, m, v = (_local(t) for t in (param, grad, exp_avg, exp_avg_sq))
-    if not all(t.is_contiguous() for t in (p, g, m, v)):
-        raise ValueError(f"AdamW: parameter of shape {tuple(p.shape)}: parameter, gradient and state must be "
-                         "contiguous")
-    if p.is_complex():
-        raise ValueError(f"kernels.AdamW: complex parameter of shape {tuple(p.shape)} is not supported")
+    p, g, m, v = (_flat(_local(t)) for t in (param, grad, exp_avg, exp_avg_sq))
     n = p.numel()
     if n == 0:
         return
@@ -108,6 +136,7 @@ class AdamW(torch.optim.AdamW):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, capturable: bool = False, **unsupported):
+        unsupported = {k: v for k, v in unsupported.items() if v}  # torch's defaults (None / False) ask for nothing
         if unsupported:
             raise ValueError(f"kernels.AdamW does not take {sorted(unsupported)} (plain AdamW only); "
                              "use torch.optim.AdamW for those")
@@ -123,20 +152,22 @@ class AdamW(torch.optim.AdamW):
         if with_grad and not all(use_triton(_local(p)) for p in with_grad):
             super().step()  # the reference: torch's AdamW (CPU tensors without the interpreter)
             return loss
-        for i, group in enumerate(self.param_groups):
+        for i, group in enumerate(self.param_groups):  # every check first: an error leaves nothing half-stepped
+            refused = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
+            if refused and any(p.grad is not None for p in group["params"]):  # set by add_param_group / a state dict
+                raise ValueError(f"kernels.AdamW: param group {i} sets {refused}; plain AdamW only")
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_layout(p, p.grad, self.state.get(p, {}))
+        for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            refused = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
-            if refused:  # set per group, by add_param_group or a loaded state dict
-                raise ValueError(f"kernels.AdamW: param group {i} sets {refused}; plain AdamW only")
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and params[0].device.type != "cpu":
                 lr = lr.item()  # a host tensor (torch.distributed.checkpoint makes one): read without a GPU sync
             steps = []
             for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("kernels.AdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:  # torch's layout: step on the device (as with capturable), moments like p
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -149,6 +180,7 @@ class AdamW(torch.optim.AdamW):
             beta1, beta2 = group["betas"]
             for p in params:
                 state = self.state[p]
-                adamw_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr,
+                grad = p.grad if p.grad.stride() == p.stride() else torch.empty_like(p).copy_(p.grad)  # p's layout
+                adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr,
                               beta1, beta2, group["eps"], group["weight_decay"])
         return loss

@@ -77,7 +77,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import INTERPRET, LIB, compute_dtype, row_block, row_warps, use_triton
+from kernels._common import INTERPRET, LIB, check_floating, compute_dtype, row_block, row_warps, use_triton
 
 _REDUCTIONS = ("mean", "sum", "none")
 _STRATEGIES = ("tokens", "vocab")
@@ -121,6 +121,16 @@ def _softcap(x, cap):
 
 
 @triton.jit
+def _lse_step(m, s, z):
+    """One block of the online logsumexp: running max ``m`` and sum ``s`` (ROWS,) updated with the
+    (ROWS, BLOCK) logits ``z``. While a row has seen only -inf (a masked first block), its max stays
+    -inf and the exponents are taken against 0 instead, so they give 0 rather than exp(-inf + inf) = NaN."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    base = tl.where(m_new == -float("inf"), 0.0, m_new)
+    return m_new, s * tl.exp(m - base) + tl.sum(tl.exp(z - base[:, None]), axis=1)
+
+
+@triton.jit
 def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_ptr, stride_g,
                n_rows, n_cols, col0, v_total, ignore_index, eps, zscale, cap,
                FWD: tl.constexpr, BWD: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
@@ -157,9 +167,7 @@ def _ce_kernel(x_ptr, stride_x, dx_ptr, stride_dx, y_ptr, loss_ptr, lse_ptr, g_p
             if SMOOTH:
                 zsum += tl.sum(tl.where(col_ok, z, 0.0), axis=1)
             z = tl.where(col_ok, z, -float("inf"))  # rows past n_rows read 0: finite, discarded
-            m_new = tl.maximum(m, tl.max(z, axis=1))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-            m = m_new
+            m, s = _lse_step(m, s, z)
         lse = m + tl.log(s)
         # target logit, read before the gradient pass may overwrite the row in place
         zy = tl.load(x_ptr + rows * stride_x + tl.where(valid & in_range, y, 0), mask=row_ok, other=0.0)
@@ -246,9 +254,7 @@ def _ce_window_kernel(x_ptr, stride_x, y_ptr, state_ptr, loss_ptr, lse_ptr, n_ro
         if SMOOTH:
             zsum += tl.sum(tl.where(col_ok, z, 0.0), axis=1)
         z = tl.where(col_ok, z, -float("inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-        m = m_new
+        m, s = _lse_step(m, s, z)
     yl = y - col0  # the target's column within this window
     here = row_ok & valid & (yl >= 0) & (yl < n_cols)
     zt = tl.load(x_ptr + rows * stride_x + tl.where(here, yl, 0), mask=here, other=0.0).to(tl.float32)
@@ -876,6 +882,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"cross_entropy: logits need a non-empty class dim, got shape {tuple(logits.shape)}")
+    check_floating("cross_entropy", logits=logits)
     _check_target(target, logits.shape[:-1], "cross_entropy")
     if not use_triton(logits) or logits.dtype == torch.float64:
         return cross_entropy_reference(logits, target, ignore_index, label_smoothing, lse_square_scale, softcap,
@@ -921,6 +928,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
                          f"{tuple(weight.shape)} do not fit (weight must be (V, H), V > 0)")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: bias shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    check_floating("fused_linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
     _check_target(target, hidden.shape[:-1], "fused_linear_cross_entropy")
     if not use_triton(hidden) or hidden.dtype == torch.float64:
         return fused_linear_cross_entropy_reference(hidden, weight, target, bias, ignore_index, label_smoothing,

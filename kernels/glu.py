@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import LIB, as_rows, compute_dtype, row_block, use_triton
+from kernels._common import LIB, as_rows, check_floating, check_same_device, compute_dtype, row_block, use_triton
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU_MODES = {"tanh": GELU_TANH, "none": GELU_ERF}
@@ -248,6 +248,8 @@ def _split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _glu(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
+    check_floating("glu", gate=gate, up=up)
+    check_same_device(gate, up)
     if up is not None and gate.shape != up.shape:
         raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
     if not use_triton(gate):
@@ -275,8 +277,14 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     act = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}.get(activation)
     if act is None:
         raise ValueError(f"glu_linear: activation must be 'silu', 'gelu_tanh' or 'gelu', got {activation!r}")
+    check_floating("glu_linear", x=x, weight=weight, bias=bias)
+    check_same_device(x, weight, bias)
+    if weight.dim() != 2:
+        raise ValueError(f"glu_linear: weight must be (H, I), got shape {tuple(weight.shape)}")
     if weight.shape[-1] * 2 != x.shape[-1]:
         raise ValueError(f"glu_linear: x's last dim {x.shape[-1]} must be twice weight's {weight.shape[-1]}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"glu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if not use_triton(x):
         return F.linear(glu_reference(x, None, act), weight, bias)
     return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation))

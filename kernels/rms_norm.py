@@ -50,7 +50,17 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import INTERPRET, LIB, as_rows, check_same_device, compute_dtype, row_block, row_warps, use_triton
+from kernels._common import (
+    INTERPRET,
+    LIB,
+    as_rows,
+    check_floating,
+    check_same_device,
+    compute_dtype,
+    row_block,
+    row_warps,
+    use_triton,
+)
 
 LLAMA, GEMMA = 0, 1
 _CASTINGS = {"llama": LLAMA, "gemma": GEMMA}
@@ -362,6 +372,7 @@ def _casting_code(casting: str) -> int:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    check_floating("rms_norm", x=x, weight=weight, residual=residual)
     if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: weight must have shape (H,) with H = x.shape[-1], "
                          f"got weight {tuple(weight.shape)} for x {tuple(x.shape)}")

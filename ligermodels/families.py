@@ -142,6 +142,9 @@ def qwen2_config(d: dict) -> DecoderConfig:
     bad = sorted(set(types) - {"sliding_attention", "full_attention"})
     if bad:
         raise UnsupportedConfigError(f"qwen2: config field layer_types holds unsupported {bad}")
+    if window is None and "sliding_attention" in types:  # transformers refuses this config too
+        raise UnsupportedConfigError("qwen2: config field layer_types marks sliding_attention layers, but there is "
+                                     "no window (use_sliding_window false or sliding_window null)")
     windows = tuple(window if t == "sliding_attention" else None for t in types)
     return _base(d, "qwen2", qkv_bias=True, sliding_window=window, layer_windows=windows, hf_config=dict(orig))
 

@@ -111,6 +111,40 @@ def test_adamw_state_dict_is_torch_adamw_s():
         torch.testing.assert_close(run(first, second), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_adamw_transposed_parameter_and_gradient_match_torch():
+    """A parameter dense in another order (a transpose) with a gradient of either layout: the same
+    result as torch.optim.AdamW, never an error after other parameters were already stepped."""
+    a0, b0 = randn(40), randn(7, 9).t()  # b: (9, 7) with strides (1, 9)
+    assert_triton_runs(a0)
+    grads = [(randn(40, seed=s), randn(7, 9, seed=s + 1).t()) for s in (1, 5, 9)]
+    results = []
+    for cls in (AdamW, torch.optim.AdamW):
+        a, b = torch.nn.Parameter(a0.clone()), torch.nn.Parameter(b0.clone())  # clone keeps b's strides
+        assert not b.is_contiguous()
+        opt = cls([a, b], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        for i, (ga, gb) in enumerate(grads):  # b's gradient in b's layout, then contiguous, then b's again
+            a.grad, b.grad = ga.clone(), (gb.contiguous() if i == 1 else gb.clone())
+            opt.step()
+        results.append((a.detach().clone(), b.detach().clone()))
+    for ours, theirs in zip(*results, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_checks_every_parameter_before_stepping_any():
+    a = torch.nn.Parameter(torch.zeros(4, device=DEVICE))
+    b = torch.nn.Parameter(torch.zeros(6, 8, device=DEVICE)[:, :3])  # not dense: a slice of a wider buffer
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    opt = AdamW([a, b], lr=0.1)
+    with pytest.raises(ValueError, match="not dense"):
+        opt.step()
+    assert torch.equal(a, torch.zeros_like(a)) and not opt.state[a]  # a untouched, no step counted
+
+
+def test_adamw_accepts_torchs_default_values_of_the_options_it_refuses():
+    p = torch.nn.Parameter(torch.zeros(3))
+    AdamW([p], amsgrad=False, maximize=False, foreach=None, fused=None, differentiable=False)
+
+
 def test_adamw_refuses_options_it_does_not_implement():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="amsgrad"):

@@ -177,6 +177,43 @@ def test_cross_entropy_rows_per_program(monkeypatch, rows):
     assert_rel(logits.grad, x64.grad, torch.float32, "dlogits")
 
 
+def test_masked_leading_columns_give_finite_loss_and_gradients():
+    """Rows whose first blocks are all -inf (a masked vocabulary): the online logsumexp must not take
+    exp(-inf - -inf) = NaN while its running max is still -inf (the first 300 columns span a whole
+    256-wide block)."""
+    logits = randn(10, 777, seed=14)
+    logits[:, :300] = -float("inf")
+    logits.requires_grad_()
+    target = torch.randint(300, 777, (10,), generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    assert_triton_runs(logits)
+    loss = cross_entropy(logits, target)
+    loss.backward()
+    x64 = logits.detach().double().requires_grad_()
+    F.cross_entropy(x64, target).backward()
+    assert_rel(loss, F.cross_entropy(x64.detach(), target), torch.float32, "loss")
+    assert_rel(logits.grad, x64.grad, torch.float32, "dlogits")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flce_with_a_masked_first_window_is_finite(strategy):
+    """A bias of -inf over the first 300 columns: the first vocabulary window ("vocab") and the first
+    blocks of every chunk row ("tokens") are all -inf."""
+    hidden, weight, b = _flce_case(torch.float32, 1000, True, seed=16)
+    with torch.no_grad():
+        b[:300] = -float("inf")
+    target = torch.randint(300, 1000, (N_TOKENS,), generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    assert_triton_runs(hidden)
+    loss = fused_linear_cross_entropy(hidden, weight, target, b, strategy=strategy)
+    loss.backward()
+    h, w, b64 = (t.detach().double().requires_grad_() for t in (hidden, weight, b))
+    ref = F.cross_entropy(h @ w.T + b64, target)
+    ref.backward()
+    assert_rel(loss, ref.detach(), torch.float32, "loss")
+    for name, ours, theirs in (("dhidden", hidden.grad, h.grad), ("dweight", weight.grad, w.grad),
+                               ("dbias", b.grad, b64.grad)):
+        assert_rel(ours, theirs, torch.float32, name)
+
+
 def test_out_of_range_target_is_poisoned_not_silent():
     """A target outside [0, V) (not ignore_index) yields NaN for that token instead of a wrong number."""
     logits = randn(4, 50, seed=7)
@@ -501,6 +538,11 @@ def test_bad_arguments_raise():
         cross_entropy(x, t[:2])
     with pytest.raises(TypeError, match="int64"):
         cross_entropy(x, t.float())
+    with pytest.raises(ValueError, match="logits must be a floating-point tensor"):
+        cross_entropy(x.long(), t)
+    with pytest.raises(ValueError, match="hidden must be a floating-point tensor"):
+        fused_linear_cross_entropy(torch.zeros(3, 4, dtype=torch.int32, device=DEVICE),
+                                   torch.zeros(10, 4, dtype=torch.int32, device=DEVICE), t)
     with pytest.raises(ValueError, match="do not fit"):
         fused_linear_cross_entropy(torch.zeros(3, 4, device=DEVICE), torch.zeros(10, 5, device=DEVICE), t)
     with pytest.raises(TypeError, match="one dtype"):

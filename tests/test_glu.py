@@ -105,6 +105,13 @@ def test_glu_rejects_mismatched_shapes_and_bad_modes():
         swiglu(torch.zeros(2, 5, device=DEVICE))
     with pytest.raises(ValueError, match="approximate"):
         geglu(torch.zeros(2, 4, device=DEVICE), approximate="erf")
+    with pytest.raises(ValueError, match="gate must be a floating-point tensor"):
+        swiglu(torch.ones(6, 80, dtype=torch.int64, device=DEVICE))
+    x = torch.zeros(5, 80, device=DEVICE)
+    with pytest.raises(ValueError, match=r"weight must be \(H, I\)"):  # a 1-D weight used to fail in backward
+        glu_linear(x, torch.zeros(40, device=DEVICE))
+    with pytest.raises(ValueError, match="bias must be"):
+        glu_linear(x, torch.zeros(8, 40, device=DEVICE), torch.zeros(7, device=DEVICE))
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])

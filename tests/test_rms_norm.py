@@ -287,6 +287,8 @@ def test_rms_norm_rejects_bad_casting_and_shapes():
         fused_add_rms_norm(x, x.bfloat16(), w)
     with pytest.raises(ValueError, match="weight"):
         fused_add_rms_norm(x, x, torch.ones(7, device=DEVICE))
+    with pytest.raises(ValueError, match="x must be a floating-point tensor"):  # not rounded into int64
+        rms_norm(torch.ones(2, 8, dtype=torch.int64, device=DEVICE), w)
 
 
 def test_weight_gradient_sum_kernel_over_many_partial_rows():
