@@ -89,17 +89,19 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _check_layout(param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
     """Raise before any update when the kernel cannot pair ``param`` with its gradient and moments."""
     p, g = _local(param), _local(grad)
-    what = f"kernels.AdamW: parameter of shape {tuple(p.shape)}"
     if p.is_complex():
         raise ValueError(f"kernels.AdamW: complex parameter of shape {tuple(p.shape)} is not supported")
     if g.is_sparse:
         raise RuntimeError("kernels.AdamW does not support sparse gradients")
+    moments = [_local(state[k]) for k in ("exp_avg", "exp_avg_sq") if k in state]
+    if p.is_contiguous() and all(m.is_contiguous() for m in moments):  # the usual case, checked cheaply
+        return
+    what = f"kernels.AdamW: parameter of shape {tuple(p.shape)}"
     if not _dense(p):
         raise ValueError(f"{what} is not dense in memory (strides {p.stride()}); use torch.optim.AdamW")
-    for name in ("exp_avg", "exp_avg_sq"):
-        if name in state and _local(state[name]).stride() != p.stride():
-            raise ValueError(f"{what}: its {name} has strides {_local(state[name]).stride()}, the parameter "
-                             f"{p.stride()}")
+    for name, m in zip(("exp_avg", "exp_avg_sq"), moments, strict=False):
+        if m.stride() != p.stride():
+            raise ValueError(f"{what}: its {name} has strides {m.stride()}, the parameter {p.stride()}")
 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
