@@ -288,11 +288,12 @@ def save_hf_state(state: dict[str, torch.Tensor], config: DecoderConfig, out_dir
             total = sum(t.numel() * t.element_size() for _, t in tensors)
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        if copy_from:
-            for fname in TOKENIZER_FILES:
-                src = os.path.join(copy_from, fname)
-                if os.path.isfile(src):
+        for fname in TOKENIZER_FILES:  # from copy_from; else kept from the checkpoint being replaced
+            for src_dir in (copy_from, out_dir):
+                src = os.path.join(src_dir, fname) if src_dir else ""
+                if src and os.path.isfile(src):
                     shutil.copy2(src, os.path.join(tmp, fname))
+                    break
         with open(os.path.join(tmp, "config.json"), "w") as f:  # written last: marks the checkpoint complete
             json.dump(hf_cfg, f, indent=2)
         old = None

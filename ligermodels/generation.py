@@ -179,8 +179,8 @@ def _check_sampling(temperature: float | None, top_k: int | None, top_p: float |
         raise ValueError(f"temperature must be >= 0 (0 or None: greedy), got {temperature}")
     if top_k is not None and not top_k >= 0:
         raise ValueError(f"top_k must be >= 0 (0 or None: off), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1 or None: off), got {top_p}")
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise ValueError(f"top_p must be in [0, 1] (1 or None: off; 0 keeps the top token, as in HF), got {top_p}")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -190,7 +190,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     ``temperature`` 0 (or None) is greedy (argmax). Otherwise, in HF's order: divide by ``temperature``,
     keep the ``top_k`` largest logits, keep the smallest set of most likely tokens whose probability
     reaches ``top_p`` (the most likely token always stays), then draw from the softmax with ``generator``
-    (which must live on the logits' device). A negative ``temperature``, ``top_p`` outside (0, 1] or a
+    (which must live on the logits' device). A negative ``temperature``, ``top_p`` outside [0, 1] or a
     negative ``top_k`` (0 or None: off) raises ValueError rather than sampling something else.
     """
     _check_sampling(temperature, top_k, top_p)
@@ -204,6 +204,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before a token already reaches top_p
+        drop[..., 0] = False  # the most likely token always stays (top_p = 0 included)
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 

@@ -158,6 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in {**COMMON_DEFAULTS, **(DEMO_DEFAULTS if args.demo else RUN_DEFAULTS)}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.default_warmup = not warmup_given  # a resumed run then takes the checkpoint's warmup (check_resume)
     if not warmup_given and args.steps is not None and args.steps >= 1:  # a short run: the default warmup fits it
         args.warmup_steps = min(args.warmup_steps, args.steps)
     if args.out is None:
@@ -187,7 +188,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _config_value(action: argparse.Action, value, where: str, p: argparse.ArgumentParser):
     """A ``--config`` value converted as argparse converts the flag's text, so that it meets the same
-    type and choices as on the command line (``"fp16"`` is refused for ``dtype``, ``"32"`` becomes 32)."""
+    type and choices as on the command line (``"fp16"`` is refused for ``dtype``, ``"32"`` becomes 32;
+    ``null`` means not given, and a whole float such as 1000.0 is taken for an int flag)."""
+    if value is None:
+        return None
+    if action.type is int and isinstance(value, float) and value.is_integer():
+        value = int(value)
     if action.nargs == 0:  # a store_true flag
         if not isinstance(value, bool):
             p.error(f"{where} must be true or false, got {value!r}")
@@ -236,8 +242,9 @@ def check_out_dir(args: argparse.Namespace) -> None:
     if used and not (args.resume or args.overwrite):
         raise TrainError(f"--out {args.out} already holds a run ({', '.join(used)}): pass --resume to continue it, "
                          "--overwrite to replace it, or choose another --out")
-    if args.resume and not complete_checkpoints(args.out):  # starting over would overwrite metrics and final/
-        raise TrainError(f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}")
+    if args.resume and used and not complete_checkpoints(args.out):  # starting over would overwrite that run
+        raise TrainError(f"--resume: {args.out} holds a run ({', '.join(used)}) but no complete checkpoint in "
+                         f"{os.path.join(args.out, 'checkpoints')}; pass --overwrite to start it again")
 
 
 #: Flags a checkpoint records and a resumed run must repeat: they fix the data order and the lr of every
@@ -251,6 +258,8 @@ def check_resume(train_state: dict, args: argparse.Namespace, path: str) -> None
     --steps may change under the constant schedule only: cosine and linear decay over --steps.
     Checkpoints written before a flag was recorded do not hold it, and are not checked for it.
     """
+    if getattr(args, "default_warmup", False) and "warmup_steps" in train_state:
+        args.warmup_steps = train_state["warmup_steps"]  # not given: the run's own (its default fitted its --steps)
     for key in RESUME_FLAGS:
         if key == "steps" and args.lr_schedule == "constant":
             continue

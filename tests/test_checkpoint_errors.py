@@ -65,8 +65,9 @@ def test_save_replaces_a_previous_checkpoint_with_tokenizer_files(model, tmp_pat
     out = tmp_path / "final"
     model.save_hf(str(out), max_shard_bytes=30_000)  # sharded: model-0000k-of-0000n + index
     (out / "tokenizer.json").write_text("{}")
-    model.save_hf(str(out))  # a re-run writing OUT/final again
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    model.save_hf(str(out))  # a re-run writing OUT/final again: the tokenizer file it held is kept
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == "{}"
     (tmp_path / "empty").mkdir()
     model.save_hf(str(tmp_path / "empty"))
     assert load_hf(str(tmp_path / "empty")).config == model.config

@@ -144,7 +144,7 @@ def test_sample_next_filters():
     assert abs((hot == 3).float().mean().item() - 0.25) < 0.05
 
 
-@pytest.mark.parametrize("top_p", [0.3, 0.5, 0.6, 0.75, 0.8, 0.875, 0.9375, 1.0])
+@pytest.mark.parametrize("top_p", [0.0, 0.3, 0.5, 0.6, 0.75, 0.8, 0.875, 0.9375, 1.0])
 def test_top_p_keeps_the_smallest_set_reaching_top_p_like_transformers(top_p):
     """At an exact boundary (the most likely tokens sum to top_p) the next token is dropped, as in HF."""
     from transformers.generation.logits_process import TopPLogitsWarper
@@ -159,7 +159,7 @@ def test_top_p_keeps_the_smallest_set_reaching_top_p_like_transformers(top_p):
 def test_sampling_arguments_out_of_range_raise(tiny):
     logits = torch.log(torch.tensor([[0.97, 0.01, 0.01, 0.01]]))
     for kwargs, name in [(dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
-                         (dict(temperature=1.0, top_p=0.0), "top_p"), (dict(temperature=1.0, top_p=1.5), "top_p"),
+                         (dict(temperature=1.0, top_p=-0.1), "top_p"), (dict(temperature=1.0, top_p=1.5), "top_p"),
                          (dict(temperature=1.0, top_k=-1), "top_k")]:
         with pytest.raises(ValueError, match=f"^{name} must be"):
             sample_next(logits, **kwargs)

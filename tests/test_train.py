@@ -281,8 +281,27 @@ def test_check_resume_lets_steps_change_under_the_constant_schedule():
     check_resume(state, _resume_args(**{"lr-schedule": "constant", "steps": 8}), "ckpt")
 
 
+def test_resume_keeps_the_runs_default_warmup_when_steps_change():
+    """A 4-step run fitted the default warmup to 4; resumed with --steps 8 and no --warmup-steps, it keeps 4."""
+    first = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "4", "--lr-schedule", "constant"])
+    state = {key: getattr(first, key) for key in RESUME_FLAGS}
+    assert state["warmup_steps"] == 4
+    again = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "8", "--lr-schedule", "constant",
+                        "--resume"])
+    check_resume(state, again, "ckpt")
+    assert again.warmup_steps == 4
+    explicit = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "8", "--lr-schedule",
+                           "constant", "--warmup-steps", "8", "--resume"])
+    with pytest.raises(TrainError, match="--warmup-steps 4"):
+        check_resume(state, explicit, "ckpt")
+
+
 def test_check_out_dir_refuses_resume_without_a_checkpoint(tmp_path):
+    """--resume with a previous run but no checkpoint is refused; into a new OUT it starts the run
+    (a job script that always passes --resume, requeued or not)."""
+    check_out_dir(parse_args(["--out", str(tmp_path / "new"), "--resume"]))
     args = parse_args(["--out", str(tmp_path), "--resume"])
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(TrainError, match="no complete checkpoint in .*checkpoints"):
         check_out_dir(args)
     (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)
@@ -347,10 +366,11 @@ def test_config_values_meet_the_flags_types_and_choices(tmp_path, capsys, value,
 
 def test_config_values_are_converted_like_flags(tmp_path):
     cfg = tmp_path / "run.json"
-    cfg.write_text(json.dumps({"model": "m", "data": "d.jsonl", "out": "o", "seq-len": "32", "lr": 1, "resume": True}))
+    cfg.write_text(json.dumps({"model": "m", "data": "d.jsonl", "out": "o", "seq-len": "32", "lr": 1, "resume": True,
+                               "steps": 1000.0, "batch-size": None}))  # null: not given, the default applies
     args = parse_args(["--config", str(cfg)])
-    assert (args.seq_len, args.lr, args.resume) == (32, 1.0, True)
-    assert type(args.seq_len) is int and type(args.lr) is float
+    assert (args.seq_len, args.lr, args.resume, args.steps, args.batch_size) == (32, 1.0, True, 1000, 1)
+    assert type(args.seq_len) is int and type(args.lr) is float and type(args.steps) is int
 
 
 @pytest.mark.parametrize("flags, message", [
