@@ -156,10 +156,14 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
         for path in sorted({index[p] for p in used}):
             handles[path] = _open_safetensors(path)
             keys[path] = set(handles[path].keys())
+        pieces = []  # (native name, HF name, file, first row, rows): what the copy below reads
         for name, shape in shapes.items():
             parts = plan[name]
+            offset = 0
             for hf_name, size in zip(parts, part_sizes(name, config, len(parts), shape[0]), strict=True):
                 path = index[hf_name]
+                pieces.append((name, hf_name, path, offset, size))
+                offset += size
                 if hf_name not in keys[path]:
                     raise CheckpointError(f"{path}: lacks tensor {hf_name} (model.safetensors.index.json places "
                                           "it in this file)")
@@ -176,14 +180,8 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
         model = model.to(dtype=dtype).to_empty(device=device)
         params = dict(model.named_parameters())
         with torch.no_grad():
-            for name, param in params.items():
-                parts = plan[name]
-                offset = 0
-                for hf_name, size in zip(parts, part_sizes(name, config, len(parts), param.shape[0]), strict=True):
-                    tensor = handles[index[hf_name]].get_tensor(hf_name)
-                    param[offset:offset + size].copy_(tensor)
-                    offset += size
-                    del tensor
+            for name, hf_name, path, offset, size in pieces:
+                params[name][offset:offset + size].copy_(handles[path].get_tensor(hf_name))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
@@ -289,11 +287,10 @@ def save_hf_state(state: dict[str, torch.Tensor], config: DecoderConfig, out_dir
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         for fname in TOKENIZER_FILES:  # from copy_from; else kept from the checkpoint being replaced
-            for src_dir in (copy_from, out_dir):
-                src = os.path.join(src_dir, fname) if src_dir else ""
-                if src and os.path.isfile(src):
-                    shutil.copy2(src, os.path.join(tmp, fname))
-                    break
+            src = next((p for p in (os.path.join(d, fname) for d in (copy_from, out_dir) if d) if os.path.isfile(p)),
+                       None)
+            if src:
+                shutil.copy2(src, os.path.join(tmp, fname))
         with open(os.path.join(tmp, "config.json"), "w") as f:  # written last: marks the checkpoint complete
             json.dump(hf_cfg, f, indent=2)
         old = None

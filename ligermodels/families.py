@@ -98,8 +98,8 @@ def _refuse_partial_rotary(d: dict, model_type: str) -> None:
 def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
     """Fields every family shares, read the way transformers reads them.
 
-    ``d`` must already hold the family's defaults (:func:`_with_defaults`); pass the original dict as
-    ``hf_config`` so that it is what gets written back.
+    ``d`` already holds the family's defaults (:meth:`Family.read_config` fills them in and keeps the
+    original dict as ``hf_config``).
     """
     _refuse_unless(d, "use_bidirectional_attention", lambda v: not v, "only causal attention", model_type)
     _refuse_partial_rotary(d, model_type)
@@ -114,7 +114,7 @@ def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_dropout=float(d.get("attention_dropout") or 0.0),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            pad_token_id=_padding_idx(d), model_type=model_type, hf_config=dict(d),
+            pad_token_id=_padding_idx(d), model_type=model_type,
         )
         fields.update(overrides)
         return DecoderConfig(**fields)
@@ -126,14 +126,12 @@ def _base(d: dict, model_type: str, **overrides) -> DecoderConfig:
 
 def llama_config(d: dict) -> DecoderConfig:
     """Llama 2 / 3 / 3.1 / 3.2: attention_bias (q/k/v and o), mlp_bias, rope scaling, head_dim, tying."""
-    d, orig = _with_defaults(d, "llama"), d
     bias = bool(d["attention_bias"])
-    return _base(d, "llama", qkv_bias=bias, o_bias=bias, mlp_bias=bool(d["mlp_bias"]), hf_config=dict(orig))
+    return _base(d, "llama", qkv_bias=bias, o_bias=bias, mlp_bias=bool(d["mlp_bias"]))
 
 
 def qwen2_config(d: dict) -> DecoderConfig:
     """Qwen2 / Qwen2.5: q/k/v bias, optional sliding window on the layers HF marks "sliding_attention"."""
-    d, orig = _with_defaults(d, "qwen2"), d
     n = d["num_hidden_layers"]
     window = d.get("sliding_window") if d.get("use_sliding_window") else None
     types = d.get("layer_types") or [
@@ -146,29 +144,26 @@ def qwen2_config(d: dict) -> DecoderConfig:
         raise UnsupportedConfigError("qwen2: config field layer_types marks sliding_attention layers, but there is "
                                      "no window (use_sliding_window false or sliding_window null)")
     windows = tuple(window if t == "sliding_attention" else None for t in types)
-    return _base(d, "qwen2", qkv_bias=True, sliding_window=window, layer_windows=windows, hf_config=dict(orig))
+    return _base(d, "qwen2", qkv_bias=True, sliding_window=window, layer_windows=windows)
 
 
 def mistral_config(d: dict) -> DecoderConfig:
     """Mistral: sliding window on every layer (or none), explicit head_dim."""
-    d, orig = _with_defaults(d, "mistral"), d
-    return _base(d, "mistral", sliding_window=d.get("sliding_window"), hf_config=dict(orig))
+    return _base(d, "mistral", sliding_window=d.get("sliding_window"))
 
 
 def phi3_config(d: dict) -> DecoderConfig:
     """Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, longrope scaling, optional sliding window."""
-    d, orig = _with_defaults(d, "phi3"), d
     for key in ("resid_pdrop", "embd_pdrop"):
         _refuse_unless(d, key, lambda v: float(v) == 0.0, "dropout on residuals/embeddings", "phi3")
-    return _base(d, "phi3", sliding_window=d.get("sliding_window"), hf_config=dict(orig))
+    return _base(d, "phi3", sliding_window=d.get("sliding_window"))
 
 
 def gemma_config(d: dict) -> DecoderConfig:
     """Gemma: GeGLU (tanh), norms scaled by (1 + weight) in fp32, sqrt(hidden) embedding scale, tied head."""
-    d, orig = _with_defaults(d, "gemma"), d
     return _base(d, "gemma", activation=_activation(d, "gemma", gelu_means_tanh=True), norm_offset=1.0,
                  norm_casting="gemma", embed_scale=math.sqrt(d["hidden_size"]),
-                 qkv_bias=bool(d["attention_bias"]), o_bias=bool(d["attention_bias"]), hf_config=dict(orig))
+                 qkv_bias=bool(d["attention_bias"]), o_bias=bool(d["attention_bias"]))
 
 
 # ------------------------------------------------------------------------------ family classes
@@ -207,9 +202,14 @@ class Family:
     """A family: how to read its config.json, its model class, and the name of its checkpoint key map."""
 
     model_type: str
-    read_config: Callable[[dict], DecoderConfig]
+    reader: Callable[[dict], DecoderConfig]  # reads a config.json dict that holds the family's defaults
     cls: type[CausalLM]
     keymap: str = "standard"
+
+    def read_config(self, d: dict) -> DecoderConfig:
+        """The DecoderConfig of an HF config.json dict: the fields it omits take the family's transformers
+        defaults (HF_DEFAULTS), and the dict as given is kept as ``hf_config`` (written back by save_hf)."""
+        return self.reader(_with_defaults(d, self.model_type)).replace(hf_config=dict(d))
 
 
 FAMILIES: dict[str, Family] = {

@@ -536,6 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = setup_distributed(args.device)
     try:
         train(args, rank, world, device)
+        dist.barrier()  # no rank tears the group down while another still works (rank 0 exports, completes)
     except (TrainError, DataError, CheckpointError, UnsupportedConfigError) as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr)

@@ -134,6 +134,7 @@ def test_adamw_checks_every_parameter_before_stepping_any():
     a = torch.nn.Parameter(torch.zeros(4, device=DEVICE))
     b = torch.nn.Parameter(torch.zeros(6, 8, device=DEVICE)[:, :3])  # not dense: a slice of a wider buffer
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    assert_triton_runs(a)  # torch's AdamW (the fallback) would take b
     opt = AdamW([a, b], lr=0.1)
     with pytest.raises(ValueError, match="not dense"):
         opt.step()
