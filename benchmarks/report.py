@@ -128,6 +128,20 @@ def kernels_table(d: dict) -> str:
             f"{op} {pas}, {shape}: " + ", ".join(f"{impl} {r['ms']:.2f} ms ({100 * r['frac_copy_bw']:.0f}%)"
                                                  for impl, r in impls.items())
             for (op, shape, pas), impls in other.items()) + "."]
+    short = []  # the kernel targets, per shape: >= 80% of copy bandwidth, no slower than torch.compile
+    for (op, shape, pas), impls in sorted(by.items()):
+        ours, comp = impls.get("ligermodels"), impls.get("compile")
+        if not ours or ours.get("timing") != "cuda-kernels":
+            continue
+        why = [f"{100 * ours['frac_copy_bw']:.1f}% of copy bandwidth"] if ours["frac_copy_bw"] < 0.8 else []
+        if comp and comp["ms"] < ours["ms"]:
+            why.append(f"{100 * (ours['ms'] / comp['ms'] - 1):.1f}% behind torch.compile "
+                       f"({ours['ms'] * 1e3:.1f} vs {comp['ms'] * 1e3:.1f} us)")
+        if why:
+            short.append(f"{op} {pas} {shape}: {', '.join(why)}")
+    if short:
+        lines += ["", "Shapes short of the kernel targets (at least 80% of copy bandwidth, no slower than "
+                  "torch.compile) in this file: " + "; ".join(short) + "."]
     if wall_only and not all_wall:
         runs = sorted({r for k in wall_only for r in agg[k]["from_run"]})
         lines += ["", f"\\* From an earlier run ({', '.join(runs)}) timed as wall time (host overhead included): "

@@ -63,15 +63,37 @@ def test_glu_tiles_of_several_column_blocks_and_a_partial_row_block(packed):
     op, act = ACTS["swiglu"]
     x = randn(rows, 2 * cols, scale=2.0).requires_grad_()
     assert_triton_runs(x)  # the tiles exist only on the kernel path
-    gate, up = (x, None) if packed else (x[:, :cols].detach().clone().requires_grad_(),
-                                          x[:, cols:].detach().clone().requires_grad_())
+    gate, up = (x, None) if packed else (x[:, :cols], x[:, cols:])  # separate: strided views keep their rows
     dout = randn(rows, cols)
     out = op(gate, up)
     out.backward(dout)
     ref, ref_dg, ref_du = _float64_reference(x.detach()[:, :cols], x.detach()[:, cols:], dout, act)
     assert_rel(out, ref, torch.float32, "out")
-    grad = x.grad if packed else torch.cat([gate.grad, up.grad], dim=-1)
-    assert_rel(grad, torch.cat([ref_dg, ref_du], dim=-1), torch.float32, "d(gate, up)")
+    assert_rel(x.grad, torch.cat([ref_dg, ref_du], dim=-1), torch.float32, "d(gate, up)")
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_separate_contiguous_operands_run_as_flat_rows_with_the_same_numbers(contiguous):
+    """Contiguous (4, 48, 96) operands (numel 18432 = 9 * 2048) run as 2048-wide rows, across the ends of
+    their 96-wide rows; a gate of another layout keeps the rows. Both match float64, forward and gradients."""
+    from kernels.glu import _flat_width
+
+    op, act = ACTS["geglu_tanh"]
+    shape = (4, 48, 96)
+    gate, up, dout = randn(*shape, scale=2.0), randn(*shape), randn(*shape)
+    if not contiguous:  # same values, (48, 4, 96) memory order
+        gate = gate.transpose(0, 1).contiguous().transpose(0, 1)
+    assert _flat_width(gate, up, dout) == (2048 if contiguous else 0)
+    gate.requires_grad_()
+    up.requires_grad_()
+    assert_triton_runs(gate)
+    out = op(gate, up)
+    out.backward(dout)
+    assert out.shape == shape and gate.grad.shape == shape and up.grad.shape == shape
+    ref, ref_dg, ref_du = _float64_reference(gate, up, dout, act)
+    assert_rel(out, ref, torch.float32, "out")
+    assert_rel(gate.grad, ref_dg, torch.float32, "dgate")
+    assert_rel(up.grad, ref_du, torch.float32, "dup")
 
 
 def test_glu_column_block_leaves_fewest_masked_lanes():
