@@ -2,8 +2,10 @@
 
 Loads the checkpoint with ligermodels and, when transformers is installed, with transformers too,
 runs both on the same random tokens and prints the relative error of the logits. Exits 1 (with a
-FAIL line on stderr) when that error exceeds ``--tol`` (default by dtype, see DEFAULT_TOL), 0
-otherwise (also when transformers is missing and only the load was checked).
+FAIL line on stderr) when that error exceeds ``--tol`` (default by dtype, see DEFAULT_TOL), 2 (with an
+``error:`` line) when the check could not run (no such checkpoint, an unsupported or unreadable one,
+a bad argument), 0 otherwise (also when transformers is missing and only the load was checked).
+transformers reads the same safetensors files (``use_safetensors=True``) and never runs remote code.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import sys
 
 import torch
 
-from checkpoints_tools.hf_io import load_hf, to_dtype
-from checkpoints_tools.hub import resolve
+from checkpoints_tools.hf_io import _DTYPES, load_hf, to_dtype
+from checkpoints_tools.hub import CheckpointError, resolve
+from ligermodels.families import UnsupportedConfigError
 
 #: Default --tol by dtype: about 10x the relative logit error of a correct load of tiny random models in
 #: that dtype (fp32 ~3e-7, fp16 ~1e-3, bf16 ~7e-3: both sides round differently), yet below what a wrong
@@ -38,7 +41,8 @@ def verify(repo_or_dir: str, dtype: str = "fp32", device: str = "cpu", seq: int 
     except ImportError:
         print("transformers is not installed: only the ligermodels load was checked")
         return None
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dt).to(device).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=dt, use_safetensors=True, trust_remote_code=False).to(device).eval()
     with torch.no_grad():
         ref = theirs(input_ids=ids.to(device)).logits.double().cpu()
     err = ((logits - ref).norm() / ref.norm()).item()
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="compare ligermodels' logits with transformers' on random tokens")
     v.add_argument("model", help="checkpoint directory or hub repo id")
-    v.add_argument("--dtype", default="fp32")
+    v.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
     v.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     v.add_argument("--revision", default=None)
     v.add_argument("--tol", type=float, default=None,
@@ -59,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(f"{str(k).removeprefix('torch.')} {t:g}" for k, t in DEFAULT_TOL.items()))
     args = ap.parse_args(argv)
     tol = args.tol if args.tol is not None else DEFAULT_TOL[to_dtype(args.dtype)]
-    err = verify(args.model, args.dtype, args.device, revision=args.revision)
+    try:
+        err = verify(args.model, args.dtype, args.device, revision=args.revision)
+    except (CheckpointError, UnsupportedConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if err is None:
         return 0
     if not err <= tol:  # NaN fails too

@@ -25,10 +25,15 @@ from ligermodels.config import DecoderConfig
 from ligermodels.families import config_from_hf, config_to_hf, family_of
 from ligermodels.model import CausalLM
 
+#: Files a checkpoint directory carries besides its weights and config: the tokenizer (every format
+#: transformers saves, chat template included) and the generation defaults. Copied along on save.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "generation_config.json")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
+#: safetensors header dtype -> torch dtype, for the tensors a checkpoint may hold (see LOADABLE_DTYPES).
+_HEADER_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 
 
 def to_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -92,11 +97,16 @@ def _hf_index(directory: str) -> dict[str, str]:
         return {k: os.path.join(directory, v) for k, v in weight_map.items()}
     else:
         paths = safetensors_files(directory)
-    index = {}
+    index: dict[str, str] = {}
     for path in paths:
         handle = _open_safetensors(path)
         try:
-            index.update({k: path for k in handle.keys()})
+            for k in handle.keys():
+                if k in index:
+                    raise CheckpointError(f"{directory}: tensor {k} is in both {os.path.basename(index[k])} and "
+                                          f"{os.path.basename(path)}, and no model.safetensors.index.json says "
+                                          "which to read")
+                index[k] = path
         finally:
             handle.__exit__(None, None, None)
     return index
@@ -104,7 +114,18 @@ def _hf_index(directory: str) -> dict[str, str]:
 
 #: safetensors header dtypes a checkpoint tensor may have: floating point, converted to the load dtype.
 #: Integer / bool / fp8 tensors (quantized weights without their scales, ...) are refused, not cast.
-LOADABLE_DTYPES = ("F16", "BF16", "F32", "F64")
+LOADABLE_DTYPES = tuple(_HEADER_DTYPES)
+
+
+def _checked_config(directory: str, repo_or_dir: str, expect: type[CausalLM] | None):
+    """(config.json dict, family, native config) of a checkpoint directory; refuses an unsupported model
+    type, a config the family cannot read, and a family other than ``expect``'s."""
+    hf_cfg = read_config(directory)
+    family = family_of(hf_cfg.get("model_type"))
+    if expect is not None and expect is not CausalLM and getattr(expect, "model_type", None) != family.model_type:
+        raise CheckpointError(f"{repo_or_dir!r} is a {family.model_type!r} checkpoint, not {expect.model_type!r}: "
+                              f"use {family.cls.__name__} or AutoLigerModel")
+    return hf_cfg, family, family.read_config(hf_cfg)
 
 
 def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
@@ -113,24 +134,22 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
 
     Args:
         repo_or_dir: local directory, or hub repo id (only safetensors/json/tokenizer files are fetched).
-        dtype: parameter dtype; default the checkpoint's ``torch_dtype``/``dtype``, else float32.
+        dtype: parameter dtype; default the checkpoint's ``dtype``/``torch_dtype`` from config.json, else
+            the dtype its weights are stored in (transformers' ``dtype="auto"``).
         device: target device (default CPU). Weights go straight there, one tensor at a time.
         expect: a family class (e.g. LigerQwen2); loading a checkpoint of another family is an error.
     Returns:
         The model in eval mode.
+
+    A hub repo's config.json is fetched and checked (family, ``expect``) before its weights download.
     """
-    directory = resolve(repo_or_dir, revision)
-    hf_cfg = read_config(directory)
-    family = family_of(hf_cfg.get("model_type"))
-    if expect is not None and expect is not CausalLM and getattr(expect, "model_type", None) != family.model_type:
-        raise CheckpointError(f"{repo_or_dir!r} is a {family.model_type!r} checkpoint, not {expect.model_type!r}: "
-                              f"use {family.cls.__name__} or AutoLigerModel")
-    config = family.read_config(hf_cfg)
+    directory = resolve(repo_or_dir, revision, check=lambda d: _checked_config(d, repo_or_dir, expect))
+    hf_cfg, family, config = _checked_config(directory, repo_or_dir, expect)
     try:
         cfg_dtype = to_dtype(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")) if dtype is None else None
     except ValueError as e:
         raise CheckpointError(f"{directory}/config.json: field dtype/torch_dtype: {e}; pass dtype= explicitly") from e
-    dtype = to_dtype(dtype) or cfg_dtype or torch.float32
+    dtype = to_dtype(dtype) or cfg_dtype  # None: the dtype of the stored weights, read from the headers below
     device = torch.device(device or "cpu")
     index = _hf_index(directory)
 
@@ -177,6 +196,8 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
                                           f"{info.get_dtype()}; only floating-point tensors "
                                           f"({', '.join(LOADABLE_DTYPES)}) are loaded (quantized checkpoints are "
                                           "not supported)")
+                if dtype is None:
+                    dtype = _HEADER_DTYPES[info.get_dtype()]
         model = model.to(dtype=dtype).to_empty(device=device)
         params = dict(model.named_parameters())
         with torch.no_grad():
@@ -239,6 +260,11 @@ def _check_state(state: dict[str, torch.Tensor], config: DecoderConfig) -> None:
     problems = [f"{what} {names[:8]}" + (f" and {len(names) - 8} more" if len(names) > 8 else "")
                 for what, names in (("missing tensor(s)", missing), ("unexpected tensor(s)", extra),
                                     ("wrong shape(s)", shapes)) if names]
+    head, embed = state.get("head.weight"), state.get("embed.weight")
+    if (config.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape
+            and not (head.data_ptr() == embed.data_ptr() or torch.equal(head, embed))):
+        problems.append("head.weight differs from embed.weight, but the config ties them (only embed.weight "
+                        "would be written)")
     if problems:
         raise CheckpointError(f"state dict does not match a {config.model_type} model with this config: "
                               + "; ".join(problems))
@@ -266,7 +292,11 @@ def save_hf_state(state: dict[str, torch.Tensor], config: DecoderConfig, out_dir
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    old = None
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a checkpoint is as readable as a new directory
         shards: list[list[tuple[str, torch.Tensor]]] = [[]]
         size = 0
         for name, t in tensors:
@@ -293,16 +323,18 @@ def save_hf_state(state: dict[str, torch.Tensor], config: DecoderConfig, out_dir
                 shutil.copy2(src, os.path.join(tmp, fname))
         with open(os.path.join(tmp, "config.json"), "w") as f:  # written last: marks the checkpoint complete
             json.dump(hf_cfg, f, indent=2)
-        old = None
         if os.path.exists(out_dir):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
             os.replace(out_dir, os.path.join(old, "x"))
         os.replace(tmp, out_dir)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        if old and not os.path.lexists(out_dir) and os.path.isdir(os.path.join(old, "x")):
+            os.replace(os.path.join(old, "x"), out_dir)  # interrupted between the renames: the previous one back
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def save_hf(model: CausalLM, out_dir: str, max_shard_bytes: int = 5 << 30, copy_from: str | None = None) -> None:

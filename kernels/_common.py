@@ -15,6 +15,7 @@ those modules for why).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -55,6 +56,12 @@ def row_warps(block: int) -> int:
     return 2 if block >= 256 else 1
 
 
+def n_rows(x: torch.Tensor) -> int:
+    """Rows of ``x`` seen as (rows, last_dim): the product of the leading dims. Spelled out rather than
+    ``-1``, which a view cannot infer when the last dim is 0."""
+    return math.prod(x.shape[:-1])
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as (rows, last_dim) with a unit last stride, copying only if it cannot be viewed."""
     if x.dim() == 0:
@@ -62,9 +69,9 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     try:
-        return x.view(-1, x.shape[-1])
+        return x.view(n_rows(x), x.shape[-1])
     except RuntimeError:
-        return x.reshape(-1, x.shape[-1])
+        return x.reshape(n_rows(x), x.shape[-1])
 
 
 def check_same_device(*tensors: torch.Tensor) -> None:

@@ -77,7 +77,16 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import INTERPRET, LIB, check_floating, compute_dtype, row_block, row_warps, use_triton
+from kernels._common import (
+    INTERPRET,
+    LIB,
+    check_floating,
+    compute_dtype,
+    n_rows,
+    row_block,
+    row_warps,
+    use_triton,
+)
 
 _REDUCTIONS = ("mean", "sum", "none")
 _STRATEGIES = ("tokens", "vocab")
@@ -948,7 +957,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     want_h = grad_on and hidden.requires_grad
     want_w = grad_on and weight.requires_grad
     want_b = grad_on and bias is not None and bias.requires_grad
-    h2 = hidden.reshape(-1, hidden.shape[-1])
+    h2 = hidden.reshape(n_rows(hidden), hidden.shape[-1])
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
     loss = FusedLinearCrossEntropyFunction.apply(

@@ -36,7 +36,16 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import LIB, as_rows, check_floating, check_same_device, compute_dtype, row_block, use_triton
+from kernels._common import (
+    LIB,
+    as_rows,
+    check_floating,
+    check_same_device,
+    compute_dtype,
+    n_rows,
+    row_block,
+    use_triton,
+)
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU_MODES = {"tanh": GELU_TANH, "none": GELU_ERF}
@@ -246,7 +255,7 @@ class GLULinearFunction(torch.autograd.Function):
             h, dx = kept[0], _glu_bwd(dh, x, None, ctx.act)
         else:
             dx, h = _glu_bwd_recompute(dh, x, ctx.act)
-        dw = d2.t() @ h.view(-1, h.shape[-1])
+        dw = d2.t() @ h.view(n_rows(h), h.shape[-1])
         db = d2.sum(0) if ctx.has_bias else None
         return dx.view(x.shape), dw, db, None, None
 

@@ -33,7 +33,8 @@ once. The backward is two launches whatever the shape. A single-launch variant, 
 programs to arrive (counted on an atomic arrival counter) sum dw while the others exit, was 1-2.5 us
 slower than the second launch at every shape measured (H100, 4096-32768 rows of 2048-8192, each summing
 program 64-256 columns; a session-8 experiment, numbers in issue #2), so it was not kept. For GPU
-tuning sweeps, the environment variable ``LIGER_RMS_BWD_PPS`` (a positive integer, read at import) overrides the programs per SM.
+tuning sweeps, the environment variable ``LIGER_RMS_BWD_PPS`` (a positive integer, read at import)
+overrides the programs per SM.
 
 Bytes moved (the fewest the op must move), for M rows of H elements of s bytes (weight, dw and the
 4*M bytes of rstd are small next to these):

@@ -37,6 +37,7 @@ How it works
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -175,6 +176,11 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 # ------------------------------------------------------------------------------------ sampling
 def _check_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
     """Raise ValueError, naming the argument, for values :func:`sample_next` has no meaning for."""
+    for name, value, kind in (("temperature", temperature, numbers.Real), ("top_k", top_k, numbers.Integral),
+                              ("top_p", top_p, numbers.Real)):
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise ValueError(f"{name} must be {'an int' if kind is numbers.Integral else 'a number'} or None, "
+                             f"got {value!r}")
     if temperature is not None and not temperature >= 0:  # `not >=` also refuses NaN
         raise ValueError(f"temperature must be >= 0 (0 or None: greedy), got {temperature}")
     if top_k is not None and not top_k >= 0:
@@ -189,24 +195,29 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
 
     ``temperature`` 0 (or None) is greedy (argmax). Otherwise, in HF's order: divide by ``temperature``,
     keep the ``top_k`` largest logits, keep the smallest set of most likely tokens whose probability
-    reaches ``top_p`` (the most likely token always stays), then draw from the softmax with ``generator``
+    reaches ``top_p`` (the most likely token always stays; computed as transformers'
+    ``TopPLogitsWarper`` does, so ties and rounding keep the same set), then draw from the softmax with ``generator``
     (which must live on the logits' device). A negative ``temperature``, ``top_p`` outside [0, 1] or a
     negative ``top_k`` (0 or None: off) raises ValueError rather than sampling something else.
     """
     _check_sampling(temperature, top_k, top_p)
     if not temperature:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = _filtered(logits.float() / temperature, top_k, top_p)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def _filtered(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """``logits`` (B, V) with -inf where top_k, then top_p, drop a token (transformers' warpers' rules)."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs >= top_p  # mass before a token already reaches top_p
-        drop[..., 0] = False  # the most likely token always stays (top_p = 0 included)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)  # ascending, as transformers
+        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # the tail holding at most 1 - top_p
+        drop[..., -1] = False  # the most likely token always stays (top_p = 0 included)
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+    return logits
 
 
 # ----------------------------------------------------------------------------------- forwards
@@ -256,7 +267,7 @@ def _ids(eos: int | Sequence[int] | torch.Tensor | None) -> list[int] | None:
         return None
     if isinstance(eos, torch.Tensor):
         eos = eos.flatten().tolist()
-    ids = [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    ids = [int(eos)] if isinstance(eos, numbers.Integral) else [int(e) for e in eos]
     return ids or None
 
 
@@ -270,8 +281,9 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, temp
 
     Args:
         model: a :class:`CausalLM` (any family), on any device; it is run under ``torch.no_grad``.
-        input_ids: (B, S) prompt ids, left-padded when the prompts differ in length.
-        max_new_tokens: how many tokens to add at most.
+        input_ids: (B, S) prompt ids, left-padded when the prompts differ in length (a right-padded
+            ``attention_mask`` is refused: the continuation would follow the padding).
+        max_new_tokens: how many tokens to add at most (an int >= 0; 0 returns the prompt).
         temperature: 0 = greedy (argmax, equal to transformers' ``do_sample=False``); > 0 samples.
         top_k, top_p: sampling filters (see :func:`sample_next`); ignored when greedy.
         eos_token_id: an id or a list of ids; a row that emits one is finished and emits
@@ -287,23 +299,29 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, temp
     Returns:
         (B, S + n) ids in ``input_ids``' dtype: the prompt, then the generated tokens.
     """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     b, s = input_ids.shape
     device = input_ids.device
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)  # before the prefill, even when greedy
-    if max_new_tokens <= 0:
-        return input_ids.clone()
     eos = _ids(eos_token_id)
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    eos_t = torch.tensor(eos, device=device) if eos else None
-    total = s + max_new_tokens
-
     mask = None
     if attention_mask is not None:
         attention_mask = attention_mask.to(device=device, dtype=torch.bool)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        if not bool((attention_mask[:, 1:] >= attention_mask[:, :-1]).all()):
+            raise ValueError("attention_mask must be left-padded: in every row all 0s (padding) come before the "
+                             "1s (tokens)")
         if not bool(attention_mask.all()):
             mask = attention_mask
+    if max_new_tokens == 0:
+        return input_ids.clone()
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    eos_t = torch.tensor(eos, device=device) if eos else None
+    total = s + max_new_tokens
     positions = torch.arange(s, device=device).expand(b, s)
     if mask is not None:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
@@ -323,7 +341,9 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, temp
     out = torch.full((b, total), pad, dtype=input_ids.dtype, device=device)
     out[:, :s] = input_ids
     finished = torch.zeros(b, dtype=torch.bool, device=device)
-    next_pos = positions[:, -1:] + 1  # (B, 1) position of the first new token (HF: last position + 1)
+    # (B, 1) position of the first new token: the row's token count (HF: last position + 1; 0 for a row
+    # that is all padding)
+    next_pos = torch.full((b, 1), s, device=device) if mask is None else mask.sum(-1, keepdim=True)
     rebuild = _rebuild_slot(model.config)
 
     logits = prefill(model, cache, input_ids, positions, mask)

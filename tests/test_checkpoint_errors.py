@@ -233,3 +233,150 @@ def test_verify_exits_1_when_the_error_exceeds_the_tolerance(monkeypatch):
     assert cli_main(["verify", "x", "--device", "cpu", "--dtype", "bf16"]) == 0
     monkeypatch.setattr("checkpoints_tools.__main__.verify", lambda *a, **k: float("nan"))
     assert cli_main(["verify", "x", "--device", "cpu"]) == 1
+
+
+def test_verify_exits_2_naming_the_problem_when_the_check_cannot_run(tmp_path, capsys):
+    assert cli_main(["verify", str(tmp_path / "absent"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "absent" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:  # argparse: an unknown dtype is a usage error
+        cli_main(["verify", str(tmp_path), "--dtype", "int8"])
+    assert e.value.code == 2
+
+
+def test_verify_never_lets_transformers_unpickle_weights(tmp_path, monkeypatch):
+    """Beside pickled weights, a safetensors file transformers would not read is no checkpoint for either side."""
+    d = tmp_path / "ckpt"
+    make_hf_checkpoint("llama_gqa_untied", str(d))
+    os.rename(d / "model.safetensors", d / "weights.safetensors")
+    torch.save({"x": torch.zeros(1)}, d / "pytorch_model.bin")
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a checkpoint was unpickled"))
+    with pytest.raises(CheckpointError, match=r"no model\*\.safetensors.*weights\.safetensors"):
+        load_hf(str(d))
+    assert cli_main(["verify", str(d), "--device", "cpu"]) == 2
+
+
+# ------------------------------------------------------------------------------- review fixes, saving
+def test_save_carries_every_tokenizer_file_and_can_save_back_into_its_source(tmp_path):
+    src = tmp_path / "src"
+    make_hf_checkpoint("llama_gqa_untied", str(src))
+    extra = {"chat_template.jinja": "{{ messages }}", "vocab.json": "{}", "merges.txt": "#v\n",
+             "added_tokens.json": "{}"}
+    for name, text in extra.items():
+        (src / name).write_text(text)
+    m = load_hf(str(src))
+    m.save_hf(str(tmp_path / "out"))
+    for name, text in extra.items():
+        assert (tmp_path / "out" / name).read_text() == text, name
+    m.save_hf(str(src))  # its own source directory: only checkpoint and tokenizer files there
+    assert (src / "chat_template.jinja").read_text() == "{{ messages }}"
+
+
+def test_saved_checkpoint_directory_is_as_readable_as_a_new_directory(model, tmp_path):
+    umask = os.umask(0o022)
+    try:
+        model.save_hf(str(tmp_path / "out"))
+    finally:
+        os.umask(umask)
+    assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o755
+
+
+def test_a_save_interrupted_between_the_renames_puts_the_previous_checkpoint_back(model, tmp_path, monkeypatch):
+    out = tmp_path / "final"
+    model.save_hf(str(out))
+    before = {p: (out / p).read_bytes() for p in os.listdir(out)}
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append((a, b))
+        if len(calls) == 2:  # the new checkpoint's rename into place
+            raise KeyboardInterrupt
+        return real(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_hf(str(out))
+    monkeypatch.setattr(os, "replace", real)
+    assert {p: (out / p).read_bytes() for p in os.listdir(out)} == before
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".final.")], "a temporary directory was left behind"
+
+
+def test_save_hf_state_refuses_a_distinct_head_for_a_tied_config(model, tmp_path):
+    state = model.state_dict()
+    assert not torch.equal(state["head.weight"], state["embed.weight"])
+    with pytest.raises(CheckpointError, match="head.weight differs from embed.weight"):
+        save_hf_state(state, model.config.replace(tie_embeddings=True), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    tied = {**state, "head.weight": state["embed.weight"].clone()}  # equal values: nothing is lost
+    save_hf_state(tied, model.config.replace(tie_embeddings=True), str(tmp_path / "out"))
+
+
+# ------------------------------------------------------------------------------ review fixes, loading
+def test_dtype_defaults_to_the_stored_weights_when_config_json_names_none(tmp_path):
+    d = tmp_path / "ckpt"
+    make_hf_checkpoint("llama_gqa_untied", str(d))
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(d / "model.safetensors")).items()}
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    _rewrite_json(d / "config.json", dtype=None, torch_dtype=None)
+    m = load_hf(str(d))
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    m.save_hf(str(tmp_path / "out"))  # and the round trip stays bf16, bit for bit
+    again = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert all(torch.equal(again[k], t) for k, t in tensors.items() if k in again)
+
+
+def test_a_tensor_in_two_unindexed_files_is_refused_naming_both(tmp_path):
+    d = tmp_path / "ckpt"
+    make_hf_checkpoint("llama_gqa_untied", str(d))
+    tensors = load_file(str(d / "model.safetensors"))
+    os.remove(d / "model.safetensors")
+    save_file(tensors, str(d / "model-a.safetensors"), metadata={"format": "pt"})
+    save_file({"model.norm.weight": tensors["model.norm.weight"] + 1}, str(d / "model-b.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight.*model-a\.safetensors.*model-b\.safetensors"):
+        load_hf(str(d))
+
+
+def test_source_dir_is_absolute_so_a_later_chdir_copies_the_right_tokenizer(tmp_path, monkeypatch):
+    make_hf_checkpoint("llama_gqa_untied", str(tmp_path / "src"))
+    monkeypatch.chdir(tmp_path)
+    m = load_hf("src")
+    assert m.source_dir == str(tmp_path / "src")
+
+
+def test_a_revision_with_a_local_directory_is_refused(model, tmp_path):
+    with pytest.raises(CheckpointError, match="revision='v2'.*local directory"):
+        load_hf(str(tmp_path / "src"), revision="v2")
+
+
+def test_an_uncached_revision_is_named_in_the_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CheckpointError, match=r"'someone/tiny' at revision 'v9'.*offline"):
+        load_hf("someone/tiny", revision="v9")
+
+
+@pytest.mark.parametrize("problem", ["unsupported", "other family"])
+def test_a_hub_repo_is_refused_from_its_config_before_any_weight_downloads(problem, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    cfg_dir = tmp_path / "snapshot"
+    make_hf_checkpoint("qwen2_bias_tied_sliding", str(cfg_dir))
+    if problem == "unsupported":
+        _rewrite_json(cfg_dir / "config.json", model_type="mamba")
+    fetched = []
+    def config_only(repo_id, filename, revision=None, **kwargs):
+        fetched.append(filename)
+        return str(cfg_dir / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", config_only)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: pytest.fail("weights were downloaded before the config was checked"))
+    error = UnsupportedConfigError if problem == "unsupported" else CheckpointError
+    with pytest.raises(error, match="mamba" if problem == "unsupported" else "'qwen2' checkpoint, not 'llama'"):
+        LigerLlama.from_hf("someone/tiny")
+    assert fetched == ["config.json"]

@@ -307,6 +307,18 @@ def test_flce_all_ignored_is_zero(reduction, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+def test_flce_with_zero_hidden_size_is_the_uniform_loss(strategy):
+    """H = 0: every logit is 0, so the loss is log V and every gradient is empty or zero, as in the reference."""
+    hidden = torch.zeros(3, 0, device=DEVICE, requires_grad=True)
+    weight = torch.zeros(5, 0, device=DEVICE, requires_grad=True)
+    assert_triton_runs(hidden)
+    loss = fused_linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3], device=DEVICE), strategy=strategy)
+    loss.backward()
+    assert torch.allclose(loss.detach().cpu(), torch.tensor(5.0).log())
+    assert hidden.grad.shape == (3, 0) and weight.grad.shape == (5, 0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_flce_agrees_with_torch(dtype, reduction, strategy):

@@ -170,6 +170,62 @@ def test_sampling_arguments_out_of_range_raise(tiny):
     assert torch.equal(tiny.generate(ids, 3, temperature=None, top_k=0, top_p=1.0), greedy)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_keeps_transformers_set_with_tied_and_bf16_rounded_logits(seed):
+    """Ties and rounding near the cut: the kept set is TopPLogitsWarper's, token for token (the filter
+    itself is compared; sampling draws only from what it keeps)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    from ligermodels.generation import _filtered
+
+    g = torch.Generator().manual_seed(seed)
+    tied = torch.tensor([[2.0, 0.0, 2.0, 1.0, 2.0, 1.0, 1.0, 0.0]])  # tied maxima and ties across the cut
+    wide = (3 * torch.randn(3, 32000, generator=g)).to(torch.bfloat16).float()  # bf16 rounding: many ties
+    for logits in (tied, wide):
+        for top_p in (0.2, 0.3, 0.5, 0.9, 0.99):
+            hf = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+            assert torch.equal(torch.isfinite(_filtered(logits, None, top_p)), hf), f"top_p={top_p}"
+        hf = torch.isfinite(TopPLogitsWarper(0.9)(None, TopKLogitsWarper(3)(None, logits.clone())))
+        assert torch.equal(torch.isfinite(_filtered(logits, 3, 0.9)), hf), "top_k then top_p"
+
+
+def test_generate_arguments_of_the_wrong_type_or_range_raise_before_any_work(tiny, monkeypatch):
+    import numpy as np
+
+    import ligermodels.generation as generation
+
+    ids = torch.ones(2, 3, dtype=torch.long, device=DEVICE)
+    monkeypatch.setattr(generation, "prefill", lambda *a, **k: pytest.fail("the prefill ran"))
+    for kwargs, name in [(dict(max_new_tokens=-3), "max_new_tokens"), (dict(max_new_tokens=2.5), "max_new_tokens"),
+                         (dict(max_new_tokens=True), "max_new_tokens"),
+                         (dict(max_new_tokens=2, temperature=1.0, top_k=2.5), "top_k"),
+                         (dict(max_new_tokens=2, temperature="hot"), "temperature")]:
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            tiny.generate(ids, **kwargs)
+    with pytest.raises(ValueError, match="attention_mask"):  # checked even when nothing is generated
+        tiny.generate(ids, 0, attention_mask=torch.ones(2, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="input_ids must be"):
+        tiny.generate(ids[0], 2)
+    monkeypatch.undo()
+    assert tiny.generate(ids, 2, eos_token_id=np.int64(5)).shape[0] == 2  # a numpy integer id is an id
+
+
+def test_a_right_padded_attention_mask_is_refused(tiny):
+    ids = torch.ones(2, 4, dtype=torch.long, device=DEVICE)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], device=DEVICE)
+    with pytest.raises(ValueError, match="left-padded"):
+        tiny.generate(ids, 2, attention_mask=mask)
+
+
+def test_a_row_of_padding_only_generates_like_transformers(tmp_path):
+    hf = make_hf_checkpoint("llama_gqa_untied", str(tmp_path))
+    ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32, device=DEVICE)
+    ids, mask = _prompts(hf.config.vocab_size, batched=True)
+    mask[1] = 0
+    ids[1] = PAD
+    _check(ours, hf, ids, mask)
+
+
 def test_cached_attention_matches_masked_softmax():
     torch.manual_seed(0)
     b, s, hq, hkv, d, length = 2, 3, 6, 2, 8, 7

@@ -213,3 +213,21 @@ def test_glu_linear_keeps_only_the_packed_input_for_backward():
         glu_linear(x, randn(8, 63))
     with pytest.raises(ValueError, match="activation"):
         glu_linear(x, w, activation="relu")
+
+
+@pytest.mark.parametrize("case", ["separate", "packed", "glu_linear"])
+def test_zero_width_inputs_give_empty_outputs_and_gradients(case):
+    """A last dim of 0 (I = 0) gives the empty result of the reference, forward and backward, on the
+    kernel path too (a view with -1 beside a 0-size dim used to raise)."""
+    gate = torch.zeros(3, 0, device=DEVICE, requires_grad=True)
+    assert_triton_runs(gate)
+    if case == "glu_linear":
+        weight = torch.zeros(5, 0, device=DEVICE, requires_grad=True)
+        out = glu_linear(gate, weight)
+        assert out.shape == (3, 5) and not out.any()
+    else:
+        up = torch.zeros(3, 0, device=DEVICE, requires_grad=True) if case == "separate" else None
+        out = swiglu(gate, up)
+        assert out.shape == (3, 0)
+    out.sum().backward()
+    assert gate.grad.shape == (3, 0)

@@ -376,3 +376,19 @@ def test_backward_programs_per_sm_env_override(monkeypatch):
         monkeypatch.setenv("LIGER_RMS_BWD_PPS", bad)
         with pytest.raises(ValueError, match="LIGER_RMS_BWD_PPS"):
             mod._env_positive_int("LIGER_RMS_BWD_PPS", 2)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_zero_width_rows_give_empty_outputs_and_a_zero_weight_gradient(fused):
+    """H = 0: empty y (and h), empty dx, a 0-size dw, on the kernel path as in the reference."""
+    x = torch.zeros(2, 3, 0, device=DEVICE, requires_grad=True)
+    w = torch.zeros(0, device=DEVICE, requires_grad=True)
+    assert_triton_runs(x)
+    if fused:
+        y, h = fused_add_rms_norm(x, torch.zeros_like(x), w)
+        assert h.shape == (2, 3, 0)
+    else:
+        y = rms_norm(x, w)
+    assert y.shape == (2, 3, 0)
+    y.sum().backward()
+    assert x.grad.shape == (2, 3, 0) and w.grad.shape == (0,)
