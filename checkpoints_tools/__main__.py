@@ -1,4 +1,5 @@
-"""Command line: ``python -m checkpoints_tools verify DIR_OR_REPO [--dtype fp32] [--device cpu] [--tol T]``.
+"""Command line: ``python -m checkpoints_tools verify DIR_OR_REPO [--dtype fp32] [--device DEV] [--revision R]
+[--tol T]``.
 
 Loads the checkpoint with ligermodels and, when transformers is installed, with transformers too,
 runs both on the same random tokens and prints the relative error of the logits. Exits 1 (with a
@@ -63,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(f"{str(k).removeprefix('torch.')} {t:g}" for k, t in DEFAULT_TOL.items()))
     args = ap.parse_args(argv)
     tol = args.tol if args.tol is not None else DEFAULT_TOL[to_dtype(args.dtype)]
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        print(f"error: --device {args.device!r}: {e}", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device {args.device!r}, but no CUDA device is visible", file=sys.stderr)
+        return 2
     try:
         err = verify(args.model, args.dtype, args.device, revision=args.revision)
     except (CheckpointError, UnsupportedConfigError, ValueError) as e:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from checkpoints_tools.hub import CheckpointError, resolve, safetensors_files
 from checkpoints_tools.keymap import IGNORED_HF, native_to_hf, part_sizes
-from ligermodels.config import DecoderConfig
+from ligermodels.config import DecoderConfig, read_json_object
 from ligermodels.families import config_from_hf, config_to_hf, family_of
 from ligermodels.model import CausalLM
 
@@ -56,14 +56,7 @@ def read_config(directory: str) -> dict:
 
 def _read_json(path: str, what: str) -> dict:
     """A JSON object from ``path``; unreadable or non-object JSON is a CheckpointError naming the file."""
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({e})") from e
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path}: {what} holds a JSON {type(obj).__name__}, not an object")
-    return obj
+    return read_json_object(path, CheckpointError, what)
 
 
 def _open_safetensors(path: str):

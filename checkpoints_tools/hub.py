@@ -58,6 +58,7 @@ def resolve(repo_or_dir: str, revision: str | None = None, check: Callable[[str]
     except ImportError as e:  # pragma: no cover - huggingface_hub is a dependency
         raise CheckpointError(f"cannot resolve hub repo id {repo_or_dir!r}: huggingface_hub is missing") from e
     repo = repr(repo_or_dir) + (f" at revision {revision!r}" if revision is not None else "")
+    nor = f" (nor is there a local directory {repo_or_dir!r})"  # a mistyped relative path lands here too
     try:
         if check is not None:
             check(os.path.dirname(hub.hf_hub_download(repo_id=path, filename="config.json", revision=revision)))
@@ -65,18 +66,18 @@ def resolve(repo_or_dir: str, revision: str | None = None, check: Callable[[str]
     except HFValidationError as e:
         raise CheckpointError(f"{repo_or_dir!r} is neither an existing directory nor a valid hub repo id") from e
     except (RepositoryNotFoundError, GatedRepoError) as e:
-        raise CheckpointError(f"hub repo {repo_or_dir!r} was not found or is not accessible: {e}") from e
+        raise CheckpointError(f"hub repo {repo_or_dir!r} was not found or is not accessible{nor}: {e}") from e
     except RevisionNotFoundError as e:
         raise CheckpointError(f"hub repo {repo_or_dir!r} has no revision {revision!r}") from e
     except LocalEntryNotFoundError as e:
         where = "the local HF cache" + (" (which may hold other revisions of it)" if revision is not None else "")
         state = (f"this machine is offline (HF_HUB_OFFLINE is set) and it is not in {where}" if _offline()
                  else f"the hub could not be reached and it is not in {where}")
-        raise CheckpointError(f"cannot resolve hub repo {repo}: {state}") from e
+        raise CheckpointError(f"cannot resolve hub repo {repo}{nor}: {state}") from e
     except EntryNotFoundError as e:  # after its subclass LocalEntryNotFoundError
         raise CheckpointError(f"hub repo {repo} has no config.json") from e
     except OSError as e:
-        raise CheckpointError(f"cannot resolve hub repo {repo}: the hub could not be reached ({e})") from e
+        raise CheckpointError(f"cannot resolve hub repo {repo}{nor}: the hub could not be reached ({e})") from e
 
 
 def safetensors_files(directory: str) -> list[str]:

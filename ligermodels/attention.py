@@ -123,7 +123,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
 
     Args:
         q: (B, S, Hq, D); k, v: (B, S, Hkv, D) with Hq a multiple of Hkv. Strided views are fine.
-        mask: document ids and mask cache shared across layers (None: plain causal).
+        mask: document ids and mask cache shared across layers (None: one document; a window still
+            applies, through a mask built for this call).
         window: sliding window in tokens, or None.
         scale: softmax scale (default D ** -0.5).
     Returns:
@@ -131,6 +132,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     """
     gqa = q.shape[2] != k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if mask is None and window is not None and window < q.shape[1]:
+        mask = AttentionMask(q.shape[1])  # a window shorter than the sequence needs a mask, document or not
     if mask is None or not mask.needs_mask(window):
         with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,

@@ -7,6 +7,7 @@ A model family (Llama, Qwen2, ...) is this config filled from the family's Huggi
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from ligermodels.rope import RopeConfig
@@ -85,6 +86,9 @@ class DecoderConfig:
             raise ValueError(f"norm_casting {self.norm_casting!r} is not supported; choose one of {NORM_CASTINGS}")
         if self.rope is None:
             self.rope = RopeConfig(head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings)
+        if self.rope.head_dim != self.head_dim:  # cos/sin are built for the rope's head_dim
+            raise ValueError(f"rope.head_dim {self.rope.head_dim} != head_dim {self.head_dim}: give "
+                             f"RopeConfig(head_dim={self.head_dim}, ...)")
         if self.layer_windows is None:
             self.layer_windows = (self.sliding_window,) * self.num_layers
         self.layer_windows = tuple(self.layer_windows)
@@ -118,3 +122,16 @@ class DecoderConfig:
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return n
+
+
+def read_json_object(path: str, error: type[Exception] = ValueError, what: str = "JSON") -> dict:
+    """The JSON object in the file ``path``; invalid JSON, or JSON that is not an object, raises
+    ``error`` with a message naming the file (``what`` names its role, e.g. "config.json")."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: {what} holds a JSON {type(obj).__name__}, not an object")
+    return obj

@@ -7,10 +7,12 @@ Input format, one JSON object per line (blank lines are skipped, other keys are 
 
 Tokens: each document is ``[BOS] + encode(text) + [EOS]``, or ``[BOS] + encode(prompt) +
 encode(completion) + [EOS]`` (prompt and completion are encoded separately, so no token straddles
-the boundary). BOS and EOS are the ``bos_token`` / ``eos_token`` of the tokenizer's
-``tokenizer_config.json`` (BOS is left out where it sets ``"add_bos_token": false``); without a
-``tokenizer_config.json``, ``config.json``'s ``bos_token_id`` / ``eos_token_id``. Either may be
-absent, and is then not added. The tokenizer's own post-processor is not used
+the boundary). BOS and EOS are, for each of the two, the first of: the ``bos_token`` / ``eos_token``
+of the tokenizer's ``tokenizer_config.json``, then of its ``special_tokens_map.json`` (where
+transformers also finds them), then ``config.json``'s ``bos_token_id`` / ``eos_token_id``. BOS is
+left out where ``tokenizer_config.json`` sets ``"add_bos_token": false``. Either may be absent
+from all three, and is then not added; a token named there that the tokenizer does not know is an
+error naming it and the file. The tokenizer's own post-processor is not used
 (``add_special_tokens=False``), so the rule above is the whole story.
 
 Packing: every epoch visits the documents in an order drawn from ``seed`` and the epoch number,
@@ -36,6 +38,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from ligermodels.config import read_json_object
 
 IGNORE_INDEX = -100
 
@@ -88,28 +92,46 @@ def read_jsonl(path: str) -> list[Example]:
     return examples
 
 
-def _token_id(tokenizer, token) -> int | None:
-    if isinstance(token, dict):  # {"content": "<s>", ...} as written by transformers
+def _json_file(directory: str | None, name: str) -> dict:
+    """``directory/name`` as a dict; {} when absent; unreadable JSON is a DataError naming the file."""
+    path = os.path.join(directory or "", name)
+    if not directory or not os.path.isfile(path):
+        return {}
+    return read_json_object(path, DataError, name)
+
+
+def _named_token_id(tokenizer, token, field: str, path: str) -> int | None:
+    """Id of a special token named in a tokenizer file (a string, or transformers' {"content": ...})."""
+    if isinstance(token, dict):
         token = token.get("content")
-    return tokenizer.token_to_id(token) if isinstance(token, str) else None
+    if token is None:
+        return None
+    token_id = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    if token_id is None:
+        raise DataError(f"{path}: {field} {token!r} is not a token of the tokenizer (tokenizer.json)")
+    return token_id
 
 
 def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int | None]:
     """(BOS id, EOS id) to add to every document, by the rule in the module docstring."""
-    tok_cfg = os.path.join(directory or "", "tokenizer_config.json")
-    if directory and os.path.isfile(tok_cfg):
-        with open(tok_cfg) as f:
-            cfg = json.load(f)
-        bos = _token_id(tokenizer, cfg.get("bos_token")) if cfg.get("add_bos_token", True) is not False else None
-        return bos, _token_id(tokenizer, cfg.get("eos_token"))
-    model_cfg = os.path.join(directory or "", "config.json")
-    if directory and os.path.isfile(model_cfg):
-        with open(model_cfg) as f:
-            cfg = json.load(f)
-        bos, eos = cfg.get("bos_token_id"), cfg.get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        return (bos if isinstance(bos, int) else None), (eos if isinstance(eos, int) else None)
-    return None, None
+    files = [(name, _json_file(directory, name)) for name in ("tokenizer_config.json", "special_tokens_map.json")]
+    model_cfg = _json_file(directory, "config.json")
+    found = []
+    for kind in ("bos", "eos"):
+        token_id = None
+        for name, cfg in files:
+            token_id = _named_token_id(tokenizer, cfg.get(f"{kind}_token"), f"{kind}_token",
+                                       os.path.join(directory or "", name))
+            if token_id is not None:
+                break
+        if token_id is None:
+            value = model_cfg.get(f"{kind}_token_id")
+            value = value[0] if isinstance(value, list) and value else value
+            token_id = value if isinstance(value, int) and not isinstance(value, bool) else None
+        found.append(token_id)
+    if files[0][1].get("add_bos_token", True) is False:
+        found[0] = None
+    return found[0], found[1]
 
 
 @dataclass

@@ -17,7 +17,8 @@ def load_tokenizer(repo_or_dir: str, revision: str | None = None) -> Tokenizer:
     ``repo_or_dir`` is resolved exactly as :meth:`CausalLM.from_hf` resolves it (a local directory, or a
     hub repo id fetched into the HF cache through :func:`checkpoints_tools.hub.resolve`), so the weights
     and the tokenizer come from the same place. Raises ``CheckpointError`` naming the directory when it
-    holds no ``tokenizer.json`` (slow-only tokenizers such as a lone ``tokenizer.model`` are not read).
+    holds no ``tokenizer.json`` (slow-only tokenizers such as a lone ``tokenizer.model`` are not read),
+    and naming the file when it cannot be read.
     """
     from checkpoints_tools.hub import CheckpointError, resolve
 
@@ -28,7 +29,10 @@ def load_tokenizer(repo_or_dir: str, revision: str | None = None) -> Tokenizer:
                  "AutoTokenizer(...).save_pretrained)" if os.path.isfile(os.path.join(directory, "tokenizer.model"))
                  else "")
         raise CheckpointError(f"{directory} has no tokenizer.json{extra}")
-    return Tokenizer.from_file(path)
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # the tokenizers library raises a bare Exception on a corrupt file
+        raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from None
 
 
 __all__ = ["load_tokenizer"]

@@ -175,8 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and not value >= low:  # `not >=` also refuses NaN
             p.error(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    if not args.lr > 0:
-        p.error(f"--lr must be positive, got {args.lr}")
+    if not 0 < args.lr < math.inf:
+        p.error(f"--lr must be positive and finite, got {args.lr}")
+    if not args.weight_decay < math.inf:
+        p.error(f"--weight-decay must be finite, got {args.weight_decay}")
+    if not 0 <= args.seed < 2**32:
+        p.error(f"--seed must be in [0, 2**32), got {args.seed}")
     if not 0 <= args.min_lr_ratio <= 1:
         p.error(f"--min-lr-ratio must be between 0 and 1, got {args.min_lr_ratio}")
     if args.warmup_steps > args.steps:
@@ -237,7 +241,15 @@ def complete_checkpoints(out: str) -> list[tuple[int, str]]:
 
 
 def check_out_dir(args: argparse.Namespace) -> None:
-    """Refuse to write into a directory holding another run, unless told to --resume or --overwrite it."""
+    """Refuse to write into a directory holding another run, unless told to --resume or --overwrite it,
+    and an --out that is not a directory or cannot be created or written."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise TrainError(f"--out {args.out} exists and is not a directory")
+    existing = args.out
+    while not os.path.exists(existing):  # the nearest existing ancestor: where the run's directories are made
+        existing = os.path.dirname(os.path.abspath(existing))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TrainError(f"--out {args.out}: {existing} is not writable")
     used = [what for what in ("checkpoints", "final", "metrics.jsonl") if os.path.exists(os.path.join(args.out, what))]
     if used and not (args.resume or args.overwrite):
         raise TrainError(f"--out {args.out} already holds a run ({', '.join(used)}): pass --resume to continue it, "
@@ -250,14 +262,51 @@ def check_out_dir(args: argparse.Namespace) -> None:
 #: Flags a checkpoint records and a resumed run must repeat: they fix the data order and the lr of every
 #: step, and the restored optimiser and scheduler states carry the old lr (--steps: see check_resume).
 RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "steps", "weight_decay")
+#: What else a resumed run must keep (recorded in train_state.json): the model and tokenizer, the data
+#: file, and the rows per step (batch size x ranks x grad-accum), which fix the rows each step reads.
+RESUME_INPUTS = {"model": "--model", "data": "--data", "global_rows": "--batch-size x ranks x --grad-accum"}
+
+
+def _place(path: str) -> str:
+    """A path as recorded in train_state.json: absolute when it exists here (a hub repo id stays as given)."""
+    return os.path.abspath(path) if os.path.exists(path) else path
+
+
+def _metrics_up_to(path: str, step: int) -> list[str]:
+    """The lines of a metrics.jsonl up to ``step``, read until the first line that does not parse (a line
+    cut short by a crash or a full disk: everything after it is past the checkpoint being resumed)."""
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                line_step = json.loads(line)["step"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break
+            if line_step > step:
+                break
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
 
 
 def check_resume(train_state: dict, args: argparse.Namespace, path: str) -> None:
     """Refuse to resume ``path`` with flags other than those it was written with (see RESUME_FLAGS).
 
     --steps may change under the constant schedule only: cosine and linear decay over --steps.
-    Checkpoints written before a flag was recorded do not hold it, and are not checked for it.
+    Checkpoints written before a flag was recorded do not hold it, and are not checked for it. Also
+    refused: a checkpoint past --steps, and another model, data file or global batch (RESUME_INPUTS;
+    ``args.global_rows`` is set by the caller).
     """
+    if train_state.get("step", 0) > args.steps:
+        raise TrainError(f"{path} is at step {train_state['step']}, past --steps {args.steps}")
+    now = {"model": _place(args.model), "data": _place(args.data), "global_rows": getattr(args, "global_rows", None)}
+    for key, flag in RESUME_INPUTS.items():
+        then = train_state.get(key)
+        then = _place(then) if isinstance(then, str) else then
+        if then is not None and now[key] is not None and then != now[key]:
+            raise TrainError(f"{path} was written with {flag} {train_state[key]}; resume with the same "
+                             f"(got {now[key]}): another value changes what every later step trains on")
     if getattr(args, "default_warmup", False) and "warmup_steps" in train_state:
         args.warmup_steps = train_state["warmup_steps"]  # not given: the run's own (its default fitted its --steps)
     for key in RESUME_FLAGS:
@@ -551,9 +600,6 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # -- output directory, then the demo's generated inputs (written by rank 0 once all ranks checked)
     check_out_dir(args)
     dist.barrier()
-    if rank == 0 and args.overwrite:
-        for what in ("checkpoints", "final"):
-            shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
     if rank == 0:  # checkpoints a crash left half-written are never resumed from: drop them
         for stale in glob.glob(os.path.join(args.out, "checkpoints", "step_*.tmp")):
             shutil.rmtree(stale, ignore_errors=True)
@@ -567,6 +613,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # -- inputs: every rank reads and checks them the same way, so a bad input stops every rank
     inputs = load_inputs(args)
     rows = PackedRows(inputs.documents, args.seq_len, args.seed)
+    args.global_rows = args.batch_size * world * args.grad_accum
     found = complete_checkpoints(args.out) if args.resume else []
     resume_from = found[-1] if found else None
     train_state = None
@@ -574,6 +621,10 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         with open(os.path.join(resume_from[1], "train_state.json")) as f:
             train_state = json.load(f)
         check_resume(train_state, args, resume_from[1])
+    dist.barrier()  # every rank read and checked its inputs: only now may --overwrite delete the old run
+    if rank == 0 and args.overwrite:
+        for what in ("checkpoints", "final"):
+            shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
 
     # -- model, optimiser, schedule
     model = build_model(inputs, args, rank, world, device)
@@ -592,14 +643,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if rank == 0:  # a resumed run's metrics continue the old file; anything past the checkpoint is dropped
         old = []
         if resume_from is not None and os.path.isfile(metrics_path):
-            with open(metrics_path) as f:
-                old = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            old = _metrics_up_to(metrics_path, step)
         os.makedirs(args.out, exist_ok=True)
         with open(metrics_path, "w") as f:
             f.writelines(old)
 
     c = inputs.config
-    global_rows = args.batch_size * world * args.grad_accum
+    global_rows = args.global_rows
     tokens_per_step = global_rows * args.seq_len
     flops, peak = flops_per_token(c, args.seq_len), peak_flops(device, args.dtype)
     say(f"{c.model_type}: {c.num_params() / 1e6:.2f}M parameters, {c.num_layers} layers, hidden {c.hidden_size} | "
@@ -640,13 +690,17 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
              "mfu": None if peak is None else flops * tokens_per_step / dt / (peak * world),
              "peak_mem_gb": peak_memory_gb(device)}
         if rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
+            with open(metrics_path, "a") as f:  # strict JSON: a non-finite value is written as null
+                f.write(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                                    for k, v in m.items()}, allow_nan=False) + "\n")
             progress.update(m)
+        if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
+            raise TrainError(f"step {step}: the loss is {loss_v} and the gradient norm {norm_v}; stopping before "
+                             "non-finite weights reach a checkpoint or final/ (lower --lr, or check the data)")
         if args.save_every > 0 and (step % args.save_every == 0 or step == args.steps):
             state = {"step": step, "rows_consumed": rows_consumed, "scheduler": scheduler.state_dict(),
                      **{key: getattr(args, key) for key in RESUME_FLAGS}, "world_size": world,
-                     "global_rows": global_rows, "model": args.model, "data": os.path.abspath(args.data)}
+                     "global_rows": global_rows, "model": _place(args.model), "data": _place(args.data)}
             save_checkpoint(args.out, step, model, optimizer, state, rank, device, args.keep_checkpoints)
 
     # -- export, and the demo's completions

@@ -81,6 +81,15 @@ def test_causal_attention_matches_float64_forward_and_gradients(case, dtype):
         assert rel_err(out, ref) <= 1.5 * rel_err(eager.transpose(1, 2), ref) + 1e-3
 
 
+def test_a_window_applies_without_a_mask_argument():
+    """causal_attention(..., window=w) and a block built with a window, called without a mask (one
+    document), still attend within the window, as with an explicit AttentionMask."""
+    q, k, v = (randn(2, 23, h, 32) for h in (4, 2, 2))
+    out = causal_attention(q, k, v, window=5)
+    assert_rel(out, reference(q, k, v, 5, None), torch.float32, "window without mask", 1e-5)
+    assert torch.equal(out, causal_attention(q, k, v, mask=AttentionMask(23), window=5))
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda" or not torch.backends.cudnn.is_available(), reason="cuDNN needs CUDA")
 def test_plain_causal_bf16_runs_cudnn_attention():
     qkv = randn(2, 256, 12 * 64, dtype=torch.bfloat16).requires_grad_()

@@ -47,3 +47,9 @@ def test_decoder_layer_equals_its_modules_composed(bias, first):
     names = ["out", "residual", "dx"] + ([] if first else ["dres"]) + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, fused, composed, strict=True):
         assert_rel(a, b, torch.float32, name, bound=1e-6)
+
+
+def test_a_rope_config_for_another_head_size_is_refused_when_the_config_is_built():
+    with pytest.raises(ValueError, match=r"rope.head_dim 128 != head_dim 32: give RopeConfig\(head_dim=32"):
+        DecoderConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_layers=1, num_heads=4,
+                      rope=RopeConfig(theta=5e5))

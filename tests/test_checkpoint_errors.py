@@ -239,6 +239,11 @@ def test_verify_exits_2_naming_the_problem_when_the_check_cannot_run(tmp_path, c
     assert cli_main(["verify", str(tmp_path / "absent"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "absent" in err and "Traceback" not in err
+    assert cli_main(["verify", str(tmp_path), "--device", "tpu"]) == 2
+    assert "--device 'tpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli_main(["verify", str(tmp_path), "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # argparse: an unknown dtype is a usage error
         cli_main(["verify", str(tmp_path), "--dtype", "int8"])
     assert e.value.code == 2
@@ -356,7 +361,8 @@ def test_an_uncached_revision_is_named_in_the_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(CheckpointError, match=r"'someone/tiny' at revision 'v9'.*offline"):
+    nor = r"\(nor is there a local directory 'someone/tiny'\)"
+    with pytest.raises(CheckpointError, match=rf"'someone/tiny' at revision 'v9' {nor}.*offline"):
         load_hf("someone/tiny", revision="v9")
 
 

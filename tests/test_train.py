@@ -40,6 +40,7 @@ from ligermodels.demo_corpus import build_tokenizer, corpus, save_tokenizer
 from ligermodels.train import (
     RESUME_FLAGS,
     TrainError,
+    _metrics_up_to,
     apply_activation_checkpointing,
     check_out_dir,
     check_resume,
@@ -253,11 +254,13 @@ def test_resume_with_other_lr_flags_stops_before_training(capsys, tmp_path, chec
     """The restored optimiser and scheduler carry the old lr: a resume must repeat the flags that set it."""
     out = tmp_path / "two"
     shutil.copytree(run_two, out)
-    flags = [*_flags(checkpoint, data, out), "--save-every", "2", "--resume"]
+    flags = [*_flags(checkpoint, data, out), "--save-every", "2", "--resume", "--grad-accum", "2"]  # 1 rank x 2 x 2
     err = _main_error(capsys, [*flags, "--lr", "2e-2"])
     assert "step_00000004 was written with --lr 0.01; resume with the same value (got 0.02)" in err
     err = _main_error(capsys, [*flags, "--steps", "6"])  # cosine decays over --steps
     assert "--steps 4" in err and "(got 6)" in err
+    err = _main_error(capsys, flags[:-2])  # 1 rank x 2 rows: the global batch of 2 ranks x 2 is not kept
+    assert "written with --batch-size x ranks x --grad-accum 4; resume with the same (got 2)" in err
     assert len(_metrics(out)) == 4
 
 
@@ -316,6 +319,8 @@ def test_data_without_loss_tokens_is_refused(tmp_path, checkpoint):
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     del cfg["eos_token"]
     (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+    hf_cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**hf_cfg, "eos_token_id": None}))  # no EOS to fall back to
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a"}\n{"prompt": "12", "completion": ""}\n')
     args = parse_args(["--model", str(model), "--data", str(data), "--out", str(tmp_path / "o")])
@@ -381,7 +386,11 @@ def test_config_values_are_converted_like_flags(tmp_path):
     (["--save-every", "-2"], "--save-every must be at least 0"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints must be at least 0"),
     (["--max-grad-norm", "-1"], "--max-grad-norm must be at least 0"),
-    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--lr", "0"], "--lr must be positive and finite, got 0.0"),
+    (["--lr", "inf"], "--lr must be positive and finite, got inf"),
+    (["--weight-decay", "inf"], "--weight-decay must be finite, got inf"),
+    (["--seed", "100000000000000"], "--seed must be in [0, 2**32), got 100000000000000"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
     (["--log-every", "0"], "--log-every must be at least 1"),
     (["--steps", "10", "--warmup-steps", "11"], "--warmup-steps 11 exceeds --steps 10"),
 ])
@@ -532,3 +541,89 @@ def test_activation_checkpointing_keeps_gradients(checkpoint, mode):
     assert all(m.keep_activation for m in model.modules() if isinstance(m, MLP)) and not model.norm.keep_output
     for k in ref:
         assert _rel(got[k], ref[k]) <= 1e-6, k
+
+
+# --------------------------------------------------------------------------- review fixes (session 8)
+def test_overwrite_with_a_bad_input_leaves_the_previous_run_in_place(capsys, tmp_path, checkpoint, data, run_two):
+    out = tmp_path / "two"
+    shutil.copytree(run_two, out)
+    flags = _flags(checkpoint, data, out)
+    flags[flags.index("--data") + 1] = str(tmp_path / "typo.jsonl")
+    err = _main_error(capsys, [*flags, "--overwrite"])
+    assert "typo.jsonl" in err and "does not exist" in err
+    assert sorted(os.listdir(out / "checkpoints")) == sorted(os.listdir(run_two / "checkpoints"))
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_diverging_run_stops_with_strict_json_metrics_and_no_export(capsys, tmp_path, checkpoint, data):
+    out = tmp_path / "out"
+    err = _main_error(capsys, [*_flags(checkpoint, data, out), "--lr", "1e30", "--save-every", "0"])
+    assert "non-finite weights" in err and "--lr" in err
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in lines]
+    assert rows[-1]["loss"] is None or rows[-1]["grad_norm"] is None
+    assert not (out / "final").exists()
+
+
+def test_resume_reads_metrics_up_to_a_line_cut_short(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n\n{"step": 3, "loss": 1.2}\n{"step": 4, "lo')
+    assert _metrics_up_to(str(path), 2) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
+    assert len(_metrics_up_to(str(path), 9)) == 3  # the cut line and what would follow it are dropped
+
+
+def test_check_resume_refuses_a_checkpoint_past_steps_and_other_inputs(tmp_path):
+    args = _resume_args(**{"lr-schedule": "constant", "steps": 2})
+    args.global_rows = 4
+    state = {**{key: getattr(args, key) for key in RESUME_FLAGS}, "step": 3}
+    with pytest.raises(TrainError, match="at step 3, past --steps 2"):
+        check_resume(state, args, "ckpt")
+    state.update(step=2, model="m", data="d.jsonl", global_rows=4)
+    check_resume(state, args, "ckpt")
+    for key, value, flag in [("data", "other.jsonl", "--data"), ("model", "other", "--model"),
+                             ("global_rows", 8, "--batch-size x ranks x --grad-accum")]:
+        with pytest.raises(TrainError, match=f"written with {flag} {value}"):
+            check_resume({**state, key: value}, args, "ckpt")
+
+
+def test_check_out_dir_refuses_a_file(tmp_path):
+    (tmp_path / "out").write_text("not a directory")
+    with pytest.raises(TrainError, match="exists and is not a directory"):
+        check_out_dir(parse_args(["--out", str(tmp_path / "out")]))
+
+
+def _tokenizer_dir(tmp_path, **files) -> str:
+    d = tmp_path / "tok"
+    save_tokenizer(build_tokenizer(), str(d))
+    for name, obj in files.items():
+        (d / f"{name}.json").write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(d)
+
+
+def test_special_tokens_unknown_to_the_tokenizer_are_an_error_naming_them(tmp_path):
+    d = _tokenizer_dir(tmp_path, tokenizer_config={"bos_token": "<s>", "eos_token": "<|endoftext|>"})
+    with pytest.raises(DataError, match="tokenizer_config.json: eos_token '<|endoftext|>' is not a token"):
+        special_token_ids(build_tokenizer(), d)
+
+
+def test_special_tokens_fall_back_to_special_tokens_map_then_config_json(tmp_path):
+    tok = build_tokenizer()
+    s, e = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    d = _tokenizer_dir(tmp_path, tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast"},
+                       special_tokens_map={"bos_token": {"content": "<s>"}}, config={"eos_token_id": [e, 7]})
+    assert special_token_ids(tok, d) == (s, e)
+    d = _tokenizer_dir(tmp_path, tokenizer_config={"add_bos_token": False, "eos_token": "</s>"},
+                       special_tokens_map={"bos_token": "<s>"})
+    assert special_token_ids(tok, d) == (None, e)
+
+
+def test_corrupt_tokenizer_files_are_named(tmp_path):
+    from checkpoints_tools import CheckpointError
+    from ligermodels import load_tokenizer
+
+    d = _tokenizer_dir(tmp_path, tokenizer_config="{oops")
+    with pytest.raises(DataError, match="tokenizer_config.json is not valid JSON"):
+        special_token_ids(build_tokenizer(), d)
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0"}')
+    with pytest.raises(CheckpointError, match="tokenizer.json: not a readable tokenizer.json"):
+        load_tokenizer(d)
