@@ -17,7 +17,7 @@ import sys
 import torch
 
 from checkpoints_tools.hf_io import _DTYPES, load_hf, to_dtype
-from checkpoints_tools.hub import CheckpointError, resolve
+from checkpoints_tools.hub import CheckpointError
 from ligermodels.families import UnsupportedConfigError
 
 #: Default --tol by dtype: about 10x the relative logit error of a correct load of tiny random models in
@@ -29,9 +29,9 @@ DEFAULT_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 def verify(repo_or_dir: str, dtype: str = "fp32", device: str = "cpu", seq: int = 32, batch: int = 2,
            revision: str | None = None) -> float | None:
     """Relative error ||ours - transformers|| / ||transformers|| of the logits, or None without transformers."""
-    directory = resolve(repo_or_dir, revision)
     dt = to_dtype(dtype)
-    ours = load_hf(directory, dtype=dt, device=device)
+    ours = load_hf(repo_or_dir, dtype=dt, device=device, revision=revision)  # a repo's config is checked first
+    directory = ours.source_dir
     print(f"ligermodels: loaded {type(ours).__name__} ({sum(p.numel() for p in ours.parameters()) / 1e6:.1f}M "
           f"parameters, {dt}) from {directory}")
     ids = torch.randint(0, ours.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -42,8 +42,11 @@ def verify(repo_or_dir: str, dtype: str = "fp32", device: str = "cpu", seq: int 
     except ImportError:
         print("transformers is not installed: only the ligermodels load was checked")
         return None
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, dtype=dt, use_safetensors=True, trust_remote_code=False).to(device).eval()
+    try:
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=dt, use_safetensors=True, trust_remote_code=False).to(device).eval()
+    except (OSError, ValueError, RuntimeError, NotImplementedError) as e:
+        raise CheckpointError(f"transformers cannot load {directory}: {e}") from e
     with torch.no_grad():
         ref = theirs(input_ids=ids.to(device)).logits.double().cpu()
     err = ((logits - ref).norm() / ref.norm()).item()
@@ -66,11 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     tol = args.tol if args.tol is not None else DEFAULT_TOL[to_dtype(args.dtype)]
     try:
         device = torch.device(args.device)
-    except RuntimeError as e:
-        print(f"error: --device {args.device!r}: {e}", file=sys.stderr)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        print(f"error: --device {args.device!r}: use cpu or cuda (cuda:N)", file=sys.stderr)
         return 2
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"error: --device {args.device!r}, but no CUDA device is visible", file=sys.stderr)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        print(f"error: --device {args.device!r}, but no such CUDA device is visible", file=sys.stderr)
         return 2
     try:
         err = verify(args.model, args.dtype, args.device, revision=args.revision)

@@ -110,6 +110,30 @@ def _hf_index(directory: str) -> dict[str, str]:
 LOADABLE_DTYPES = tuple(_HEADER_DTYPES)
 
 
+def _stored_dtype(directory: str, index: dict[str, str], handles: dict) -> torch.dtype:
+    """The dtype transformers' ``dtype="auto"`` picks when config.json names none: the index's
+    ``metadata.dtype`` if given, else the first floating tensor, in name order, of the first file."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.isfile(os.path.join(directory, "model.safetensors")) and os.path.isfile(index_path):
+        meta = _read_json(index_path, "the shard index").get("metadata") or {}
+        if isinstance(meta, dict) and isinstance(meta.get("dtype"), str):
+            try:
+                return to_dtype(meta["dtype"])
+            except ValueError:
+                pass
+    first = sorted(set(index.values()))[0]
+    handle = handles.get(first) or _open_safetensors(first)
+    try:
+        for name in sorted(handle.keys()):
+            header = handle.get_slice(name).get_dtype()
+            if header in _HEADER_DTYPES:
+                return _HEADER_DTYPES[header]
+    finally:
+        if first not in handles:
+            handle.__exit__(None, None, None)
+    return torch.float32
+
+
 def _checked_config(directory: str, repo_or_dir: str, expect: type[CausalLM] | None):
     """(config.json dict, family, native config) of a checkpoint directory; refuses an unsupported model
     type, a config the family cannot read, and a family other than ``expect``'s."""
@@ -189,8 +213,8 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
                                           f"{info.get_dtype()}; only floating-point tensors "
                                           f"({', '.join(LOADABLE_DTYPES)}) are loaded (quantized checkpoints are "
                                           "not supported)")
-                if dtype is None:
-                    dtype = _HEADER_DTYPES[info.get_dtype()]
+        if dtype is None:
+            dtype = _stored_dtype(directory, index, handles)
         model = model.to(dtype=dtype).to_empty(device=device)
         params = dict(model.named_parameters())
         with torch.no_grad():
@@ -255,7 +279,8 @@ def _check_state(state: dict[str, torch.Tensor], config: DecoderConfig) -> None:
                                     ("wrong shape(s)", shapes)) if names]
     head, embed = state.get("head.weight"), state.get("embed.weight")
     if (config.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape
-            and not (head.data_ptr() == embed.data_ptr() or torch.equal(head, embed))):
+            and not (head.data_ptr() == embed.data_ptr()
+                     or torch.allclose(head, embed, rtol=0, atol=0, equal_nan=True))):
         problems.append("head.weight differs from embed.weight, but the config ties them (only embed.weight "
                         "would be written)")
     if problems:
@@ -289,7 +314,8 @@ def save_hf_state(state: dict[str, torch.Tensor], config: DecoderConfig, out_dir
     try:
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a checkpoint is as readable as a new directory
+        # mkdtemp makes it 0700: a checkpoint is as readable as a new directory (setgid kept from the parent)
+        os.chmod(tmp, (os.stat(tmp).st_mode & 0o7000) | (0o777 & ~umask))
         shards: list[list[tuple[str, torch.Tensor]]] = [[]]
         size = 0
         for name, t in tensors:

@@ -7,13 +7,14 @@ Input format, one JSON object per line (blank lines are skipped, other keys are 
 
 Tokens: each document is ``[BOS] + encode(text) + [EOS]``, or ``[BOS] + encode(prompt) +
 encode(completion) + [EOS]`` (prompt and completion are encoded separately, so no token straddles
-the boundary). BOS and EOS are, for each of the two, the first of: the ``bos_token`` / ``eos_token``
-of the tokenizer's ``tokenizer_config.json``, then of its ``special_tokens_map.json`` (where
-transformers also finds them), then ``config.json``'s ``bos_token_id`` / ``eos_token_id``. BOS is
-left out where ``tokenizer_config.json`` sets ``"add_bos_token": false``. Either may be absent
-from all three, and is then not added; a token named there that the tokenizer does not know is an
-error naming it and the file. The tokenizer's own post-processor is not used
-(``add_special_tokens=False``), so the rule above is the whole story.
+the boundary). BOS and EOS are what transformers' ``AutoTokenizer`` reports for the checkpoint: the
+``bos_token`` / ``eos_token`` entry of ``special_tokens_map.json``, else of ``tokenizer_config.json``
+(an entry that is null means none: Qwen2 has no BOS); BOS is left out where
+``tokenizer_config.json`` sets ``"add_bos_token": false``. Only without either file,
+``config.json``'s ``bos_token_id`` / ``eos_token_id``. Either may be absent, and is then not added;
+a token named in a tokenizer file that the tokenizer does not know is an error naming it and the
+file. The tokenizer's own post-processor is not used (``add_special_tokens=False``), so the rule
+above is the whole story.
 
 Packing: every epoch visits the documents in an order drawn from ``seed`` and the epoch number,
 and concatenates them into one stream; the stream of epoch 0, then epoch 1, ... is cut into rows
@@ -114,22 +115,23 @@ def _named_token_id(tokenizer, token, field: str, path: str) -> int | None:
 
 def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int | None]:
     """(BOS id, EOS id) to add to every document, by the rule in the module docstring."""
-    files = [(name, _json_file(directory, name)) for name in ("tokenizer_config.json", "special_tokens_map.json")]
-    model_cfg = _json_file(directory, "config.json")
+    names = [n for n in ("special_tokens_map.json", "tokenizer_config.json")
+             if directory and os.path.isfile(os.path.join(directory, n))]
     found = []
     for kind in ("bos", "eos"):
-        token_id = None
-        for name, cfg in files:
-            token_id = _named_token_id(tokenizer, cfg.get(f"{kind}_token"), f"{kind}_token",
-                                       os.path.join(directory or "", name))
-            if token_id is not None:
-                break
-        if token_id is None:
-            value = model_cfg.get(f"{kind}_token_id")
+        token_id, key = None, f"{kind}_token"
+        if names:  # the tokenizer files decide, as for transformers' AutoTokenizer (a null entry included)
+            for name in names:
+                cfg = _json_file(directory, name)
+                if key in cfg:
+                    token_id = _named_token_id(tokenizer, cfg[key], key, os.path.join(directory, name))
+                    break
+        else:
+            value = _json_file(directory, "config.json").get(f"{kind}_token_id")
             value = value[0] if isinstance(value, list) and value else value
             token_id = value if isinstance(value, int) and not isinstance(value, bool) else None
         found.append(token_id)
-    if files[0][1].get("add_bos_token", True) is False:
+    if names and _json_file(directory, "tokenizer_config.json").get("add_bos_token", True) is False:
         found[0] = None
     return found[0], found[1]
 

@@ -174,8 +174,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
 
 
 # ------------------------------------------------------------------------------------ sampling
+def _scalar(value):
+    """A 0-dim tensor as its Python number (transformers takes them too); anything else unchanged."""
+    return value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+
+
 def _check_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
     """Raise ValueError, naming the argument, for values :func:`sample_next` has no meaning for."""
+    temperature, top_k, top_p = _scalar(temperature), _scalar(top_k), _scalar(top_p)
     for name, value, kind in (("temperature", temperature, numbers.Real), ("top_k", top_k, numbers.Integral),
                               ("top_p", top_p, numbers.Real)):
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
@@ -201,6 +207,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     negative ``top_k`` (0 or None: off) raises ValueError rather than sampling something else.
     """
     _check_sampling(temperature, top_k, top_p)
+    temperature, top_k, top_p = _scalar(temperature), _scalar(top_k), _scalar(top_p)
     if not temperature:
         return logits.argmax(dim=-1)
     logits = _filtered(logits.float() / temperature, top_k, top_p)
@@ -303,6 +310,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, temp
         raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
     b, s = input_ids.shape
     device = input_ids.device
+    max_new_tokens = _scalar(max_new_tokens)
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)  # before the prefill, even when greedy

@@ -262,13 +262,17 @@ def check_out_dir(args: argparse.Namespace) -> None:
 #: Flags a checkpoint records and a resumed run must repeat: they fix the data order and the lr of every
 #: step, and the restored optimiser and scheduler states carry the old lr (--steps: see check_resume).
 RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "steps", "weight_decay")
-#: What else a resumed run must keep (recorded in train_state.json): the model and tokenizer, the data
-#: file, and the rows per step (batch size x ranks x grad-accum), which fix the rows each step reads.
-RESUME_INPUTS = {"model": "--model", "data": "--data", "global_rows": "--batch-size x ranks x --grad-accum"}
+#: What else a resumed run must keep (recorded in train_state.json, checked by value, so a run or data
+#: file that moved still resumes): the tokenized data set (--data through --model's tokenizer: its
+#: documents and tokens) and the rows per step (batch size x ranks x grad-accum); with the seed and
+#: --seq-len they fix the rows every later step reads.
+RESUME_INPUTS = {"data_documents": "documents in --data", "data_tokens": "tokens in --data (with --model's tokenizer)",
+                 "global_rows": "--batch-size x ranks x --grad-accum"}
 
 
 def _place(path: str) -> str:
-    """A path as recorded in train_state.json: absolute when it exists here (a hub repo id stays as given)."""
+    """A path as recorded in train_state.json (for the reader; resume checks values, not paths): absolute
+    when it exists here, a hub repo id as given."""
     return os.path.abspath(path) if os.path.exists(path) else path
 
 
@@ -295,18 +299,17 @@ def check_resume(train_state: dict, args: argparse.Namespace, path: str) -> None
 
     --steps may change under the constant schedule only: cosine and linear decay over --steps.
     Checkpoints written before a flag was recorded do not hold it, and are not checked for it. Also
-    refused: a checkpoint past --steps, and another model, data file or global batch (RESUME_INPUTS;
-    ``args.global_rows`` is set by the caller).
+    refused: a checkpoint past --steps, and other data or another global batch (RESUME_INPUTS, whose
+    current values the caller puts in ``args.resume_inputs``).
     """
     if train_state.get("step", 0) > args.steps:
         raise TrainError(f"{path} is at step {train_state['step']}, past --steps {args.steps}")
-    now = {"model": _place(args.model), "data": _place(args.data), "global_rows": getattr(args, "global_rows", None)}
-    for key, flag in RESUME_INPUTS.items():
-        then = train_state.get(key)
-        then = _place(then) if isinstance(then, str) else then
-        if then is not None and now[key] is not None and then != now[key]:
-            raise TrainError(f"{path} was written with {flag} {train_state[key]}; resume with the same "
-                             f"(got {now[key]}): another value changes what every later step trains on")
+    now = getattr(args, "resume_inputs", {})
+    for key, what in RESUME_INPUTS.items():
+        if train_state.get(key) is not None and now.get(key) is not None and train_state[key] != now[key]:
+            raise TrainError(f"{path} was written for {what} = {train_state[key]}; this run has {now[key]}: "
+                             "resume with the same data and global batch (another changes what every later "
+                             "step trains on)")
     if getattr(args, "default_warmup", False) and "warmup_steps" in train_state:
         args.warmup_steps = train_state["warmup_steps"]  # not given: the run's own (its default fitted its --steps)
     for key in RESUME_FLAGS:
@@ -334,7 +337,7 @@ class Inputs:
 
 def load_inputs(args: argparse.Namespace) -> Inputs:
     """Read the config, tokenizer and data, and check them against each other; no weights are read."""
-    model_dir = resolve(args.model)
+    model_dir = resolve(args.model, check=lambda d: config_from_hf(read_config(d)))  # before any weight downloads
     config = config_from_hf(read_config(model_dir))
     if args.seq_len is None:
         args.seq_len = min(2048, config.max_position_embeddings)
@@ -613,7 +616,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # -- inputs: every rank reads and checks them the same way, so a bad input stops every rank
     inputs = load_inputs(args)
     rows = PackedRows(inputs.documents, args.seq_len, args.seed)
-    args.global_rows = args.batch_size * world * args.grad_accum
+    args.resume_inputs = {"data_documents": len(inputs.documents), "data_tokens": rows.epoch_len,
+                          "global_rows": args.batch_size * world * args.grad_accum}
     found = complete_checkpoints(args.out) if args.resume else []
     resume_from = found[-1] if found else None
     train_state = None
@@ -621,13 +625,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         with open(os.path.join(resume_from[1], "train_state.json")) as f:
             train_state = json.load(f)
         check_resume(train_state, args, resume_from[1])
-    dist.barrier()  # every rank read and checked its inputs: only now may --overwrite delete the old run
-    if rank == 0 and args.overwrite:
-        for what in ("checkpoints", "final"):
-            shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
 
     # -- model, optimiser, schedule
     model = build_model(inputs, args, rank, world, device)
+    dist.barrier()  # every rank has its inputs and weights: only now may --overwrite delete the old run
+    if rank == 0 and args.overwrite:
+        for what in ("checkpoints", "final"):
+            shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
     optimizer = build_optimizer(model, args)
     schedule = partial(lr_factor, schedule=args.lr_schedule, warmup=args.warmup_steps, steps=args.steps,
                        min_ratio=args.min_lr_ratio)
@@ -649,7 +653,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             f.writelines(old)
 
     c = inputs.config
-    global_rows = args.global_rows
+    global_rows = args.resume_inputs["global_rows"]
     tokens_per_step = global_rows * args.seq_len
     flops, peak = flops_per_token(c, args.seq_len), peak_flops(device, args.dtype)
     say(f"{c.model_type}: {c.num_params() / 1e6:.2f}M parameters, {c.num_layers} layers, hidden {c.hidden_size} | "
@@ -700,7 +704,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if args.save_every > 0 and (step % args.save_every == 0 or step == args.steps):
             state = {"step": step, "rows_consumed": rows_consumed, "scheduler": scheduler.state_dict(),
                      **{key: getattr(args, key) for key in RESUME_FLAGS}, "world_size": world,
-                     "global_rows": global_rows, "model": _place(args.model), "data": _place(args.data)}
+                     **args.resume_inputs, "model": _place(args.model), "data": _place(args.data)}
             save_checkpoint(args.out, step, model, optimizer, state, rank, device, args.keep_checkpoints)
 
     # -- export, and the demo's completions

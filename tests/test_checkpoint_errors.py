@@ -239,11 +239,17 @@ def test_verify_exits_2_naming_the_problem_when_the_check_cannot_run(tmp_path, c
     assert cli_main(["verify", str(tmp_path / "absent"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "absent" in err and "Traceback" not in err
-    assert cli_main(["verify", str(tmp_path), "--device", "tpu"]) == 2
-    assert "--device 'tpu'" in capsys.readouterr().err
+    for device in ("tpu", "mps", "meta"):
+        assert cli_main(["verify", str(tmp_path), "--device", device]) == 2
+        assert f"--device '{device}'" in capsys.readouterr().err
+    d = tmp_path / "shards"  # shards without their index: ours reads them, transformers does not
+    make_hf_checkpoint("llama_gqa_untied", str(d), shard=True)
+    os.remove(d / "model.safetensors.index.json")
+    assert cli_main(["verify", str(d), "--device", "cpu"]) == 2
+    assert "transformers cannot load" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert cli_main(["verify", str(tmp_path), "--device", "cuda"]) == 2
-        assert "no CUDA device" in capsys.readouterr().err
+        assert "no such CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # argparse: an unknown dtype is a usage error
         cli_main(["verify", str(tmp_path), "--dtype", "int8"])
     assert e.value.code == 2
@@ -328,6 +334,35 @@ def test_dtype_defaults_to_the_stored_weights_when_config_json_names_none(tmp_pa
     m.save_hf(str(tmp_path / "out"))  # and the round trip stays bf16, bit for bit
     again = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert all(torch.equal(again[k], t) for k, t in tensors.items() if k in again)
+
+
+def test_mixed_dtype_checkpoint_without_a_config_dtype_loads_in_transformers_choice(tmp_path):
+    d = tmp_path / "ckpt"
+    make_hf_checkpoint("llama_gqa_untied", str(d))
+    tensors = {k: v if k == "lm_head.weight" else v.to(torch.bfloat16)
+               for k, v in load_file(str(d / "model.safetensors")).items()}
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    _rewrite_json(d / "config.json", dtype=None, torch_dtype=None)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(d)).dtype
+    assert load_hf(str(d)).embed.weight.dtype == theirs
+
+
+def test_a_tied_head_equal_to_the_embedding_passes_even_with_nan(model, tmp_path):
+    state = dict(model.state_dict())
+    embed = state["embed.weight"].clone()
+    embed[0, 0] = float("nan")
+    state.update({"embed.weight": embed, "head.weight": embed.clone()})  # separate but equal copies
+    save_hf_state(state, model.config.replace(tie_embeddings=True), str(tmp_path / "out"))
+
+
+def test_a_saved_checkpoint_keeps_the_parents_setgid_bit(model, tmp_path):
+    parent = tmp_path / "shared"
+    parent.mkdir()
+    os.chmod(parent, 0o2775)
+    if not os.stat(parent).st_mode & 0o2000:
+        pytest.skip("this filesystem does not keep setgid on directories")
+    model.save_hf(str(parent / "out"))
+    assert os.stat(parent / "out").st_mode & 0o2000
 
 
 def test_a_tensor_in_two_unindexed_files_is_refused_naming_both(tmp_path):

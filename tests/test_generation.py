@@ -208,6 +208,10 @@ def test_generate_arguments_of_the_wrong_type_or_range_raise_before_any_work(tin
         tiny.generate(ids[0], 2)
     monkeypatch.undo()
     assert tiny.generate(ids, 2, eos_token_id=np.int64(5)).shape[0] == 2  # a numpy integer id is an id
+    greedy = tiny.generate(ids, 3)  # 0-dim tensors and numpy scalars stand for numbers, as in transformers
+    assert torch.equal(tiny.generate(ids, torch.tensor(3), temperature=torch.tensor(0.0)), greedy)
+    assert torch.equal(tiny.generate(ids, np.int64(3), temperature=2.0, top_k=torch.tensor(1),
+                                     top_p=np.float32(0.9), generator=torch.Generator(device=DEVICE)), greedy)
 
 
 def test_a_right_padded_attention_mask_is_refused(tiny):

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ligermodels import LigerLlama, document_ids_from_positions
 from ligermodels.blocks import MLP, RMSNorm
@@ -260,7 +261,7 @@ def test_resume_with_other_lr_flags_stops_before_training(capsys, tmp_path, chec
     err = _main_error(capsys, [*flags, "--steps", "6"])  # cosine decays over --steps
     assert "--steps 4" in err and "(got 6)" in err
     err = _main_error(capsys, flags[:-2])  # 1 rank x 2 rows: the global batch of 2 ranks x 2 is not kept
-    assert "written with --batch-size x ranks x --grad-accum 4; resume with the same (got 2)" in err
+    assert "written for --batch-size x ranks x --grad-accum = 4; this run has 2" in err
     assert len(_metrics(out)) == 4
 
 
@@ -319,8 +320,6 @@ def test_data_without_loss_tokens_is_refused(tmp_path, checkpoint):
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     del cfg["eos_token"]
     (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
-    hf_cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**hf_cfg, "eos_token_id": None}))  # no EOS to fall back to
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a"}\n{"prompt": "12", "completion": ""}\n')
     args = parse_args(["--model", str(model), "--data", str(data), "--out", str(tmp_path / "o")])
@@ -551,6 +550,14 @@ def test_overwrite_with_a_bad_input_leaves_the_previous_run_in_place(capsys, tmp
     flags[flags.index("--data") + 1] = str(tmp_path / "typo.jsonl")
     err = _main_error(capsys, [*flags, "--overwrite"])
     assert "typo.jsonl" in err and "does not exist" in err
+    bad = tmp_path / "bad-model"  # weights that only fail when loaded (after the inputs were checked)
+    shutil.copytree(checkpoint, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:-1].clone()
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    flags = _flags(str(bad), data, out)
+    err = _main_error(capsys, [*flags, "--overwrite"])
+    assert "model.norm.weight" in err
     assert sorted(os.listdir(out / "checkpoints")) == sorted(os.listdir(run_two / "checkpoints"))
     assert (out / "final" / "model.safetensors").is_file()
 
@@ -574,15 +581,16 @@ def test_resume_reads_metrics_up_to_a_line_cut_short(tmp_path):
 
 def test_check_resume_refuses_a_checkpoint_past_steps_and_other_inputs(tmp_path):
     args = _resume_args(**{"lr-schedule": "constant", "steps": 2})
-    args.global_rows = 4
+    args.resume_inputs = {"data_documents": 10, "data_tokens": 300, "global_rows": 4}
     state = {**{key: getattr(args, key) for key in RESUME_FLAGS}, "step": 3}
     with pytest.raises(TrainError, match="at step 3, past --steps 2"):
         check_resume(state, args, "ckpt")
-    state.update(step=2, model="m", data="d.jsonl", global_rows=4)
-    check_resume(state, args, "ckpt")
-    for key, value, flag in [("data", "other.jsonl", "--data"), ("model", "other", "--model"),
+    state.update(step=2, model="elsewhere/model", data="moved.jsonl", **args.resume_inputs)
+    check_resume(state, args, "ckpt")  # paths may differ (a moved run or data file): the values decide
+    check_resume({k: v for k, v in state.items() if k not in args.resume_inputs}, args, "ckpt")  # older checkpoint
+    for key, value, what in [("data_documents", 11, "documents in --data"), ("data_tokens", 299, "tokens in --data"),
                              ("global_rows", 8, "--batch-size x ranks x --grad-accum")]:
-        with pytest.raises(TrainError, match=f"written with {flag} {value}"):
+        with pytest.raises(TrainError, match=f"written for {re.escape(what)}.* = {value}; this run has"):
             check_resume({**state, key: value}, args, "ckpt")
 
 
@@ -594,7 +602,7 @@ def test_check_out_dir_refuses_a_file(tmp_path):
 
 def _tokenizer_dir(tmp_path, **files) -> str:
     d = tmp_path / "tok"
-    save_tokenizer(build_tokenizer(), str(d))
+    save_tokenizer(build_tokenizer(), str(d))  # writes a tokenizer_config.json; files below replace it
     for name, obj in files.items():
         (d / f"{name}.json").write_text(obj if isinstance(obj, str) else json.dumps(obj))
     return str(d)
@@ -606,15 +614,33 @@ def test_special_tokens_unknown_to_the_tokenizer_are_an_error_naming_them(tmp_pa
         special_token_ids(build_tokenizer(), d)
 
 
-def test_special_tokens_fall_back_to_special_tokens_map_then_config_json(tmp_path):
+def test_special_tokens_are_those_transformers_reports(tmp_path):
+    """special_tokens_map.json, then tokenizer_config.json; a null entry means none (Qwen2's BOS);
+    config.json's ids only without either tokenizer file. Each case is checked against AutoTokenizer."""
+    import transformers
+
     tok = build_tokenizer()
     s, e = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    d = _tokenizer_dir(tmp_path, tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast"},
-                       special_tokens_map={"bos_token": {"content": "<s>"}}, config={"eos_token_id": [e, 7]})
-    assert special_token_ids(tok, d) == (s, e)
-    d = _tokenizer_dir(tmp_path, tokenizer_config={"add_bos_token": False, "eos_token": "</s>"},
+    cases = [
+        (dict(tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "</s>"},
+              config={"bos_token_id": e, "eos_token_id": e}), (None, e)),  # Qwen2: no BOS despite config.json
+        (dict(tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast"},
+              special_tokens_map={"bos_token": {"content": "<s>"}, "eos_token": "</s>"}), (s, e)),
+        (dict(tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"},
+              config={"bos_token_id": s}), (None, e)),  # the tokenizer files name no BOS: none
+    ]
+    for k, (files, expected) in enumerate(cases):
+        d = _tokenizer_dir(tmp_path / str(k), **files)
+        assert special_token_ids(tok, d) == expected, files
+        hf = transformers.AutoTokenizer.from_pretrained(d)
+        assert (hf.bos_token_id, hf.eos_token_id) == expected, files
+    d = _tokenizer_dir(tmp_path / "x", tokenizer_config={"add_bos_token": False, "eos_token": "</s>"},
                        special_tokens_map={"bos_token": "<s>"})
     assert special_token_ids(tok, d) == (None, e)
+    os.remove(os.path.join(d, "tokenizer_config.json"))
+    os.remove(os.path.join(d, "special_tokens_map.json"))
+    (tmp_path / "x" / "tok" / "config.json").write_text(json.dumps({"bos_token_id": s, "eos_token_id": [e, 7]}))
+    assert special_token_ids(tok, d) == (s, e)
 
 
 def test_corrupt_tokenizer_files_are_named(tmp_path):
@@ -627,3 +653,19 @@ def test_corrupt_tokenizer_files_are_named(tmp_path):
     (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0"}')
     with pytest.raises(CheckpointError, match="tokenizer.json: not a readable tokenizer.json"):
         load_tokenizer(d)
+
+
+def test_a_hub_model_is_refused_from_its_config_before_any_weight_downloads(tmp_path, monkeypatch, checkpoint, data):
+    import huggingface_hub
+
+    snap = tmp_path / "snap"
+    shutil.copytree(checkpoint, snap)
+    cfg = json.loads((snap / "config.json").read_text())
+    (snap / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename, **k: str(snap / filename))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda *a, **k: pytest.fail("the repo was downloaded before its config was checked"))
+    from ligermodels import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match="mamba"):
+        load_inputs(parse_args(["--model", "org/model", "--data", data, "--out", str(tmp_path / "o")]))
