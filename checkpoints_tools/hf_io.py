@@ -261,6 +261,17 @@ def _check_replaceable(out_dir: str) -> None:
                               + "): saving replaces the whole directory, so give an empty or new directory")
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values bit for bit (one storage, or equal copies, NaNs included);
+    another dtype or device counts as different."""
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    if a.dtype != b.dtype or a.device != b.device:
+        return False
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(bits), b.view(bits))
+
+
 def _check_state(state: dict[str, torch.Tensor], config: DecoderConfig) -> None:
     """Refuse a state dict whose names or shapes are not those of the family's model for ``config``
     (compared with the model built on the meta device; a tied config may omit ``head.weight``)."""
@@ -279,8 +290,7 @@ def _check_state(state: dict[str, torch.Tensor], config: DecoderConfig) -> None:
                                     ("wrong shape(s)", shapes)) if names]
     head, embed = state.get("head.weight"), state.get("embed.weight")
     if (config.tie_embeddings and head is not None and embed is not None and head.shape == embed.shape
-            and not (head.data_ptr() == embed.data_ptr()
-                     or torch.allclose(head, embed, rtol=0, atol=0, equal_nan=True))):
+            and not _same_values(head, embed)):
         problems.append("head.weight differs from embed.weight, but the config ties them (only embed.weight "
                         "would be written)")
     if problems:

@@ -7,14 +7,16 @@ Input format, one JSON object per line (blank lines are skipped, other keys are 
 
 Tokens: each document is ``[BOS] + encode(text) + [EOS]``, or ``[BOS] + encode(prompt) +
 encode(completion) + [EOS]`` (prompt and completion are encoded separately, so no token straddles
-the boundary). BOS and EOS are what transformers' ``AutoTokenizer`` reports for the checkpoint: the
-``bos_token`` / ``eos_token`` entry of ``special_tokens_map.json``, else of ``tokenizer_config.json``
-(an entry that is null means none: Qwen2 has no BOS); BOS is left out where
-``tokenizer_config.json`` sets ``"add_bos_token": false``. Only without either file,
-``config.json``'s ``bos_token_id`` / ``eos_token_id``. Either may be absent, and is then not added;
-a token named in a tokenizer file that the tokenizer does not know is an error naming it and the
-file. The tokenizer's own post-processor is not used (``add_special_tokens=False``), so the rule
-above is the whole story.
+the boundary). BOS and EOS are the tokens transformers' ``AutoTokenizer`` reports for the
+checkpoint: ``tokenizer_config.json``'s ``bos_token`` / ``eos_token`` when that file is a current
+one (it has ``added_tokens_decoder``), else ``special_tokens_map.json``'s, else
+``tokenizer_config.json``'s (an entry that is null means none: Qwen2 has no BOS); only without
+either file, ``config.json``'s ``bos_token_id`` / ``eos_token_id``. BOS is added only where the
+tokenizer's own post-processor starts a text with it (``tokenizer.json`` decides, as in
+transformers 5, which ignores ``add_bos_token`` when ``tokenizer.json`` exists); EOS is appended
+whenever there is one. A token named in a tokenizer file that the tokenizer does not know is an
+error naming it and the file. Apart from that BOS check the tokenizer's post-processor is not used
+(``add_special_tokens=False``), so the rule above is the whole story.
 
 Packing: every epoch visits the documents in an order drawn from ``seed`` and the epoch number,
 and concatenates them into one stream; the stream of epoch 0, then epoch 1, ... is cut into rows
@@ -115,25 +117,29 @@ def _named_token_id(tokenizer, token, field: str, path: str) -> int | None:
 
 def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int | None]:
     """(BOS id, EOS id) to add to every document, by the rule in the module docstring."""
-    names = [n for n in ("special_tokens_map.json", "tokenizer_config.json")
+    tok_cfg = _json_file(directory, "tokenizer_config.json")
+    token_map = _json_file(directory, "special_tokens_map.json")
+    files = [n for n in ("special_tokens_map.json", "tokenizer_config.json")
              if directory and os.path.isfile(os.path.join(directory, n))]
+    if "added_tokens_decoder" in tok_cfg:  # a current tokenizer_config.json decides alone, as in transformers
+        files = ["tokenizer_config.json"]
+    cfgs = {"tokenizer_config.json": tok_cfg, "special_tokens_map.json": token_map}
     found = []
     for kind in ("bos", "eos"):
         token_id, key = None, f"{kind}_token"
-        if names:  # the tokenizer files decide, as for transformers' AutoTokenizer (a null entry included)
-            for name in names:
-                cfg = _json_file(directory, name)
-                if key in cfg:
-                    token_id = _named_token_id(tokenizer, cfg[key], key, os.path.join(directory, name))
-                    break
+        if files:  # the tokenizer files decide (a null entry included: Qwen2 has no BOS)
+            name = next((n for n in files if key in cfgs[n]), None)
+            if name is not None:
+                token_id = _named_token_id(tokenizer, cfgs[name][key], key, os.path.join(directory, name))
         else:
             value = _json_file(directory, "config.json").get(f"{kind}_token_id")
             value = value[0] if isinstance(value, list) and value else value
             token_id = value if isinstance(value, int) and not isinstance(value, bool) else None
         found.append(token_id)
-    if names and _json_file(directory, "tokenizer_config.json").get("add_bos_token", True) is False:
-        found[0] = None
-    return found[0], found[1]
+    bos, eos = found
+    if bos is not None and tokenizer.encode("", add_special_tokens=True).ids[:1] != [bos]:
+        bos = None  # the tokenizer's post-processor does not start a text with BOS: neither does training
+    return bos, eos
 
 
 @dataclass

@@ -16,7 +16,7 @@ import json
 import os
 import random
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 ALPHABET = " 0123456789abcdefghijklmnopqrstuvwxyz.,+=?!'-"
@@ -69,13 +69,18 @@ def addition_tests(n: int = 100, seed: int = 12345, max_operand: int = 49) -> li
     return [(f"{a}+{b}=", str(a + b)) for a, b in pairs]
 
 
-def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:
-    """A character-level tokenizer: ids 0-3 are ``<pad> <unk> <s> </s>``, then one id per character."""
+def build_tokenizer(alphabet: str = ALPHABET, add_bos: bool = True) -> Tokenizer:
+    """A character-level tokenizer: ids 0-3 are ``<pad> <unk> <s> </s>``, then one id per character.
+    With ``add_bos`` its post-processor puts ``<s>`` before every encoded text (as Llama's does), which is
+    what makes the trainer add BOS to each document."""
     vocab = {tok: i for i, tok in enumerate((*SPECIALS, *alphabet))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character is a word
     tok.decoder = decoders.Fuse()  # join characters back without spaces
     tok.add_special_tokens(list(SPECIALS))
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", vocab["<s>"])])
     return tok
 
 

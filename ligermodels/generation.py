@@ -314,6 +314,7 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, temp
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)  # before the prefill, even when greedy
+    temperature, top_k, top_p = _scalar(temperature), _scalar(top_k), _scalar(top_p)  # once, not per token
     eos = _ids(eos_token_id)
     mask = None
     if attention_mask is not None:

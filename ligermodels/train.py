@@ -43,7 +43,9 @@ global batch, over all ranks, per second), ``mfu`` and ``peak_mem_gb`` (see :fun
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -51,6 +53,7 @@ import re
 import shutil
 import sys
 import time
+from array import array
 from dataclasses import dataclass
 from functools import partial
 
@@ -263,11 +266,22 @@ def check_out_dir(args: argparse.Namespace) -> None:
 #: step, and the restored optimiser and scheduler states carry the old lr (--steps: see check_resume).
 RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "steps", "weight_decay")
 #: What else a resumed run must keep (recorded in train_state.json, checked by value, so a run or data
-#: file that moved still resumes): the tokenized data set (--data through --model's tokenizer: its
-#: documents and tokens) and the rows per step (batch size x ranks x grad-accum); with the seed and
-#: --seq-len they fix the rows every later step reads.
-RESUME_INPUTS = {"data_documents": "documents in --data", "data_tokens": "tokens in --data (with --model's tokenizer)",
+#: file that moved still resumes): the tokenized data set (--data through --model's tokenizer, in file
+#: order), the model's architecture, and the rows per step (batch size x ranks x grad-accum); with the
+#: seed and --seq-len they fix the rows every later step reads.
+RESUME_INPUTS = {"data_sha256": "the tokenized --data (SHA-256)", "model_sha256": "--model's config (SHA-256)",
                  "global_rows": "--batch-size x ranks x --grad-accum"}
+
+
+def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
+    """The RESUME_INPUTS values of this run: hashes of the tokenized documents and of the model config."""
+    data = hashlib.sha256()
+    for doc in inputs.documents:
+        data.update(array("q", [len(doc.ids), doc.no_loss, *doc.ids]).tobytes())
+    config = {f.name: getattr(inputs.config, f.name) for f in dataclasses.fields(inputs.config)
+              if f.name != "hf_config"}
+    return {"data_sha256": data.hexdigest(), "model_sha256": hashlib.sha256(repr(config).encode()).hexdigest(),
+            "global_rows": global_rows}
 
 
 def _place(path: str) -> str:
@@ -308,8 +322,8 @@ def check_resume(train_state: dict, args: argparse.Namespace, path: str) -> None
     for key, what in RESUME_INPUTS.items():
         if train_state.get(key) is not None and now.get(key) is not None and train_state[key] != now[key]:
             raise TrainError(f"{path} was written for {what} = {train_state[key]}; this run has {now[key]}: "
-                             "resume with the same data and global batch (another changes what every later "
-                             "step trains on)")
+                             "resume with the same model, data and global batch (another changes what every "
+                             "later step trains on)")
     if getattr(args, "default_warmup", False) and "warmup_steps" in train_state:
         args.warmup_steps = train_state["warmup_steps"]  # not given: the run's own (its default fitted its --steps)
     for key in RESUME_FLAGS:
@@ -616,8 +630,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # -- inputs: every rank reads and checks them the same way, so a bad input stops every rank
     inputs = load_inputs(args)
     rows = PackedRows(inputs.documents, args.seq_len, args.seed)
-    args.resume_inputs = {"data_documents": len(inputs.documents), "data_tokens": rows.epoch_len,
-                          "global_rows": args.batch_size * world * args.grad_accum}
+    args.resume_inputs = resume_inputs(inputs, args.batch_size * world * args.grad_accum)
     found = complete_checkpoints(args.out) if args.resume else []
     resume_from = found[-1] if found else None
     train_state = None

@@ -353,6 +353,9 @@ def test_a_tied_head_equal_to_the_embedding_passes_even_with_nan(model, tmp_path
     embed[0, 0] = float("nan")
     state.update({"embed.weight": embed, "head.weight": embed.clone()})  # separate but equal copies
     save_hf_state(state, model.config.replace(tie_embeddings=True), str(tmp_path / "out"))
+    state["head.weight"] = embed.to(torch.bfloat16)  # another dtype: different, refused by name
+    with pytest.raises(CheckpointError, match="head.weight differs"):
+        save_hf_state(state, model.config.replace(tie_embeddings=True), str(tmp_path / "out2"))
 
 
 def test_a_saved_checkpoint_keeps_the_parents_setgid_bit(model, tmp_path):

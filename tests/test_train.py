@@ -200,7 +200,9 @@ def test_hf_export_loads_in_transformers_with_equal_logits(run_two):
         ref, out = hf(ids).logits, ours(ids)
     assert _rel(out, ref) <= 1e-5
     tok = transformers.AutoTokenizer.from_pretrained(final)
-    assert tok("12+7=", add_special_tokens=False)["input_ids"] == build_tokenizer().encode("12+7=").ids
+    plain = build_tokenizer().encode("12+7=", add_special_tokens=False).ids
+    assert tok("12+7=", add_special_tokens=False)["input_ids"] == plain
+    assert tok("12+7=")["input_ids"] == build_tokenizer().encode("12+7=").ids  # BOS from tokenizer.json, as ours
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -319,14 +321,15 @@ def test_data_without_loss_tokens_is_refused(tmp_path, checkpoint):
     shutil.copytree(checkpoint, model)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     del cfg["eos_token"]
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    build_tokenizer(add_bos=False).save(str(model / "tokenizer.json"))  # its post-processor adds no BOS
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a"}\n{"prompt": "12", "completion": ""}\n')
     args = parse_args(["--model", str(model), "--data", str(data), "--out", str(tmp_path / "o")])
     with pytest.raises(DataError, match=f"{data}: no token carries a loss"):
         load_inputs(args)
     data.write_text('{"text": "ab"}\n')
-    assert load_inputs(args).documents[0].ids == build_tokenizer().encode("ab").ids
+    assert load_inputs(args).documents[0].ids == build_tokenizer().encode("ab", add_special_tokens=False).ids
 
 
 def test_bad_input_stops_every_rank_under_torchrun(tmp_path, checkpoint):
@@ -471,7 +474,8 @@ def test_packing_labels_positions_and_determinism(checkpoint):
     bos, eos = special_token_ids(tok, checkpoint)
     assert (bos, eos) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
     docs = tokenize([Example("", "abc"), Example("1+2=", "3"), Example("", "hello world.")], tok, bos, eos)
-    assert docs[1].ids == [bos, *tok.encode("1+2=").ids, tok.token_to_id("3"), eos] and docs[1].no_loss == 5
+    assert docs[1].ids == [bos, *tok.encode("1+2=", add_special_tokens=False).ids, tok.token_to_id("3"), eos]
+    assert docs[1].no_loss == 5
 
     rows = PackedRows(docs, seq_len=7, seed=3)
     n = rows.epoch_len
@@ -581,17 +585,35 @@ def test_resume_reads_metrics_up_to_a_line_cut_short(tmp_path):
 
 def test_check_resume_refuses_a_checkpoint_past_steps_and_other_inputs(tmp_path):
     args = _resume_args(**{"lr-schedule": "constant", "steps": 2})
-    args.resume_inputs = {"data_documents": 10, "data_tokens": 300, "global_rows": 4}
+    args.resume_inputs = {"data_sha256": "aa", "model_sha256": "bb", "global_rows": 4}
     state = {**{key: getattr(args, key) for key in RESUME_FLAGS}, "step": 3}
     with pytest.raises(TrainError, match="at step 3, past --steps 2"):
         check_resume(state, args, "ckpt")
     state.update(step=2, model="elsewhere/model", data="moved.jsonl", **args.resume_inputs)
     check_resume(state, args, "ckpt")  # paths may differ (a moved run or data file): the values decide
     check_resume({k: v for k, v in state.items() if k not in args.resume_inputs}, args, "ckpt")  # older checkpoint
-    for key, value, what in [("data_documents", 11, "documents in --data"), ("data_tokens", 299, "tokens in --data"),
+    for key, value, what in [("data_sha256", "cc", "the tokenized --data"), ("model_sha256", "dd", "--model's config"),
                              ("global_rows", 8, "--batch-size x ranks x --grad-accum")]:
         with pytest.raises(TrainError, match=f"written for {re.escape(what)}.* = {value}; this run has"):
             check_resume({**state, key: value}, args, "ckpt")
+
+
+def test_resume_inputs_tell_shuffled_data_and_another_architecture_apart(checkpoint):
+    from checkpoints_tools import read_config
+    from ligermodels import config_from_hf
+    from ligermodels.train import Inputs, resume_inputs
+
+    tok = build_tokenizer()
+    docs = tokenize([Example("", "abc"), Example("", "de")], tok, 2, 3)
+    cfg = config_from_hf(read_config(checkpoint))
+
+    def fingerprint(documents, c):
+        return resume_inputs(Inputs(c, LigerLlama, None, checkpoint, tok, 2, 3, documents), 4)
+
+    base = fingerprint(docs, cfg)
+    assert fingerprint(list(docs), cfg) == base
+    assert fingerprint(docs[::-1], cfg)["data_sha256"] != base["data_sha256"]  # same counts, another order
+    assert fingerprint(docs, cfg.replace(intermediate_size=96))["model_sha256"] != base["model_sha256"]
 
 
 def test_check_out_dir_refuses_a_file(tmp_path):
@@ -600,9 +622,9 @@ def test_check_out_dir_refuses_a_file(tmp_path):
         check_out_dir(parse_args(["--out", str(tmp_path / "out")]))
 
 
-def _tokenizer_dir(tmp_path, **files) -> str:
+def _tokenizer_dir(tmp_path, add_bos: bool = True, **files) -> str:
     d = tmp_path / "tok"
-    save_tokenizer(build_tokenizer(), str(d))  # writes a tokenizer_config.json; files below replace it
+    save_tokenizer(build_tokenizer(add_bos=add_bos), str(d))  # writes a tokenizer_config.json; files below replace it
     for name, obj in files.items():
         (d / f"{name}.json").write_text(obj if isinstance(obj, str) else json.dumps(obj))
     return str(d)
@@ -615,32 +637,36 @@ def test_special_tokens_unknown_to_the_tokenizer_are_an_error_naming_them(tmp_pa
 
 
 def test_special_tokens_are_those_transformers_reports(tmp_path):
-    """special_tokens_map.json, then tokenizer_config.json; a null entry means none (Qwen2's BOS);
-    config.json's ids only without either tokenizer file. Each case is checked against AutoTokenizer."""
+    """BOS/EOS as AutoTokenizer reports them, BOS added where its tokenizer.json adds it; each case is
+    checked against transformers (the ids, and whether its encoding starts with BOS)."""
     import transformers
 
     tok = build_tokenizer()
     s, e = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    cases = [
-        (dict(tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "</s>"},
-              config={"bos_token_id": e, "eos_token_id": e}), (None, e)),  # Qwen2: no BOS despite config.json
-        (dict(tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast"},
-              special_tokens_map={"bos_token": {"content": "<s>"}, "eos_token": "</s>"}), (s, e)),
-        (dict(tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"},
-              config={"bos_token_id": s}), (None, e)),  # the tokenizer files name no BOS: none
+    fast = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    current = {**fast, "added_tokens_decoder": {str(s): {"content": "<s>", "special": True}}}
+    cases = [  # (tokenizer.json adds BOS, files, expected (bos added, eos))
+        (True, dict(tokenizer_config={**fast, "bos_token": None, "eos_token": "</s>"},
+                    config={"bos_token_id": e, "eos_token_id": e}), (None, e)),  # Qwen2: no BOS
+        (True, dict(tokenizer_config=fast, special_tokens_map={"bos_token": {"content": "<s>"}, "eos_token": "</s>"}),
+         (s, e)),
+        (True, dict(tokenizer_config={**fast, "eos_token": "</s>"}, config={"bos_token_id": s}), (None, e)),
+        (True, dict(tokenizer_config={**current, "bos_token": "<s>", "eos_token": "</s>"},  # a stale map
+                    special_tokens_map={"bos_token": "<s>", "eos_token": "<pad>"}), (s, e)),
+        (True, dict(tokenizer_config={**fast, "add_bos_token": False, "bos_token": "<s>", "eos_token": "</s>"}),
+         (s, e)),  # transformers 5 ignores add_bos_token beside a tokenizer.json
+        (False, dict(tokenizer_config={**fast, "bos_token": "<s>", "eos_token": "</s>"}), (None, e)),
     ]
-    for k, (files, expected) in enumerate(cases):
-        d = _tokenizer_dir(tmp_path / str(k), **files)
-        assert special_token_ids(tok, d) == expected, files
+    for k, (adds_bos, files, expected) in enumerate(cases):
+        d = _tokenizer_dir(tmp_path / str(k), add_bos=adds_bos, **files)
+        assert special_token_ids(build_tokenizer(add_bos=adds_bos), d) == expected, files
         hf = transformers.AutoTokenizer.from_pretrained(d)
-        assert (hf.bos_token_id, hf.eos_token_id) == expected, files
-    d = _tokenizer_dir(tmp_path / "x", tokenizer_config={"add_bos_token": False, "eos_token": "</s>"},
-                       special_tokens_map={"bos_token": "<s>"})
-    assert special_token_ids(tok, d) == (None, e)
+        assert hf.eos_token_id == expected[1], files
+        assert (hf("ab")["input_ids"][:1] == [hf.bos_token_id]) == (expected[0] is not None), files
+    d = _tokenizer_dir(tmp_path / "x", tokenizer_config=fast)
     os.remove(os.path.join(d, "tokenizer_config.json"))
-    os.remove(os.path.join(d, "special_tokens_map.json"))
     (tmp_path / "x" / "tok" / "config.json").write_text(json.dumps({"bos_token_id": s, "eos_token_id": [e, 7]}))
-    assert special_token_ids(tok, d) == (s, e)
+    assert special_token_ids(tok, d) == (s, e)  # no tokenizer files: the model's ids
 
 
 def test_corrupt_tokenizer_files_are_named(tmp_path):
