@@ -264,11 +264,14 @@ def _check_replaceable(out_dir: str) -> None:
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors hold the same values bit for bit (one storage, or equal copies, NaNs included);
     another dtype or device counts as different."""
+    if a.dtype != b.dtype or a.device != b.device or a.shape != b.shape:
+        return False
+    a, b = a.resolve_conj().resolve_neg(), b.resolve_conj().resolve_neg()
     if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
         return True
-    if a.dtype != b.dtype or a.device != b.device:
-        return False
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if bits is None:  # e.g. complex128: compare the bytes
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     return torch.equal(a.view(bits), b.view(bits))
 
 

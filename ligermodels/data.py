@@ -13,7 +13,9 @@ one (it has ``added_tokens_decoder``), else ``special_tokens_map.json``'s, else
 ``tokenizer_config.json``'s (an entry that is null means none: Qwen2 has no BOS); only without
 either file, ``config.json``'s ``bos_token_id`` / ``eos_token_id``. BOS is added only where the
 tokenizer's own post-processor starts a text with it (``tokenizer.json`` decides, as in
-transformers 5, which ignores ``add_bos_token`` when ``tokenizer.json`` exists); EOS is appended
+transformers 5, which ignores ``add_bos_token`` when ``tokenizer.json`` exists; tokenizer classes
+that rebuild their post-processor from their own settings, such as GPTNeoX's, are not followed);
+EOS is appended
 whenever there is one. A token named in a tokenizer file that the tokenizer does not know is an
 error naming it and the file. Apart from that BOS check the tokenizer's post-processor is not used
 (``add_special_tokens=False``), so the rule above is the whole story.

@@ -30,9 +30,12 @@ def load_tokenizer(repo_or_dir: str, revision: str | None = None) -> Tokenizer:
                  else "")
         raise CheckpointError(f"{directory} has no tokenizer.json{extra}")
     try:
-        return Tokenizer.from_file(path)
+        tokenizer = Tokenizer.from_file(path)
     except Exception as e:  # the tokenizers library raises a bare Exception on a corrupt file
         raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from None
+    tokenizer.no_padding()  # padding or truncation saved in tokenizer.json would pad or cut every text;
+    tokenizer.no_truncation()  # transformers turns both off per call too
+    return tokenizer
 
 
 __all__ = ["load_tokenizer"]

@@ -270,7 +270,8 @@ RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_
 #: order), the model's architecture, and the rows per step (batch size x ranks x grad-accum); with the
 #: seed and --seq-len they fix the rows every later step reads.
 RESUME_INPUTS = {"data_sha256": "the tokenized --data (SHA-256)", "model_sha256": "--model's config (SHA-256)",
-                 "global_rows": "--batch-size x ranks x --grad-accum"}
+                 "data_documents": "documents in --data", "data_tokens": "tokens in --data (with --model's tokenizer)",
+                 "global_rows": "--batch-size x ranks x --grad-accum"}  # the counts: what older checkpoints hold
 
 
 def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
@@ -281,6 +282,7 @@ def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
     config = {f.name: getattr(inputs.config, f.name) for f in dataclasses.fields(inputs.config)
               if f.name != "hf_config"}
     return {"data_sha256": data.hexdigest(), "model_sha256": hashlib.sha256(repr(config).encode()).hexdigest(),
+            "data_documents": len(inputs.documents), "data_tokens": sum(len(d.ids) for d in inputs.documents),
             "global_rows": global_rows}
 
 

@@ -358,6 +358,17 @@ def test_a_tied_head_equal_to_the_embedding_passes_even_with_nan(model, tmp_path
         save_hf_state(state, model.config.replace(tie_embeddings=True), str(tmp_path / "out2"))
 
 
+def test_same_values_compares_bits_dtype_and_conjugation():
+    from checkpoints_tools.hf_io import _same_values
+
+    x = torch.randn(4, 6)
+    assert _same_values(x, x) and _same_values(x, x.clone()) and _same_values(x[:, ::2], x[:, ::2].clone())
+    assert not _same_values(x, x.view(torch.int32))  # one storage, another dtype
+    assert not _same_values(x, -x) and not _same_values(x, x.t().contiguous().t() + 1)
+    c = torch.randn(3, 2, dtype=torch.complex128)
+    assert _same_values(c, c.clone()) and not _same_values(c, c.conj())
+
+
 def test_a_saved_checkpoint_keeps_the_parents_setgid_bit(model, tmp_path):
     parent = tmp_path / "shared"
     parent.mkdir()

@@ -585,13 +585,17 @@ def test_resume_reads_metrics_up_to_a_line_cut_short(tmp_path):
 
 def test_check_resume_refuses_a_checkpoint_past_steps_and_other_inputs(tmp_path):
     args = _resume_args(**{"lr-schedule": "constant", "steps": 2})
-    args.resume_inputs = {"data_sha256": "aa", "model_sha256": "bb", "global_rows": 4}
+    args.resume_inputs = {"data_sha256": "aa", "model_sha256": "bb", "data_documents": 300, "data_tokens": 6399,
+                          "global_rows": 4}
     state = {**{key: getattr(args, key) for key in RESUME_FLAGS}, "step": 3}
     with pytest.raises(TrainError, match="at step 3, past --steps 2"):
         check_resume(state, args, "ckpt")
     state.update(step=2, model="elsewhere/model", data="moved.jsonl", **args.resume_inputs)
     check_resume(state, args, "ckpt")  # paths may differ (a moved run or data file): the values decide
     check_resume({k: v for k, v in state.items() if k not in args.resume_inputs}, args, "ckpt")  # older checkpoint
+    older = {k: v for k, v in state.items() if k not in ("data_sha256", "model_sha256")}  # counts only (1d61a05)
+    with pytest.raises(TrainError, match="tokens in --data.* = 6099; this run has 6399"):
+        check_resume({**older, "data_tokens": 6099}, args, "ckpt")
     for key, value, what in [("data_sha256", "cc", "the tokenized --data"), ("model_sha256", "dd", "--model's config"),
                              ("global_rows", 8, "--batch-size x ranks x --grad-accum")]:
         with pytest.raises(TrainError, match=f"written for {re.escape(what)}.* = {value}; this run has"):
@@ -695,3 +699,15 @@ def test_a_hub_model_is_refused_from_its_config_before_any_weight_downloads(tmp_
 
     with pytest.raises(UnsupportedConfigError, match="mamba"):
         load_inputs(parse_args(["--model", "org/model", "--data", data, "--out", str(tmp_path / "o")]))
+
+
+def test_padding_or_truncation_saved_in_tokenizer_json_is_turned_off(tmp_path):
+    from ligermodels import load_tokenizer
+
+    tok = build_tokenizer()
+    tok.enable_padding(length=8, direction="left", pad_id=0, pad_token="<pad>")
+    tok.enable_truncation(max_length=3)
+    save_tokenizer(tok, str(tmp_path))
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded.encode("hello").ids == build_tokenizer().encode("hello").ids  # <s> h e l l o: not cut, not padded
+    assert special_token_ids(loaded, str(tmp_path)) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
