@@ -29,18 +29,15 @@ def resolve(repo_or_dir: str, revision: str | None = None, check: Callable[[str]
 
     ``revision`` (a branch, tag or commit) applies to hub repo ids only; given with a local directory
     it is an error rather than silently ignored. ``check(directory)``, when given, runs on the
-    directory holding the repo's ``config.json`` before the rest of the repo is downloaded (and on a
-    local directory as is); it raises to refuse the checkpoint.
+    directory holding a hub repo's ``config.json`` before the rest of the repo is downloaded, and
+    raises to refuse it; a local directory is returned as is (the caller reads its config anyway).
     """
     path = os.path.expanduser(str(repo_or_dir))
     if os.path.isdir(path):
         if revision is not None:
             raise CheckpointError(f"revision={revision!r} was given for the local directory {repo_or_dir!r}; "
                                   "revisions apply to hub repo ids only")
-        path = os.path.abspath(path)
-        if check is not None:
-            check(path)
-        return path
+        return os.path.abspath(path)
     if os.path.exists(path):
         raise CheckpointError(f"{repo_or_dir!r} is a file; give the checkpoint's directory or a hub repo id")
     if path.startswith((".", "/", "~")) or path.count("/") > 1:

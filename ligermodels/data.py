@@ -126,6 +126,7 @@ def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int
     if "added_tokens_decoder" in tok_cfg:  # a current tokenizer_config.json decides alone, as in transformers
         files = ["tokenizer_config.json"]
     cfgs = {"tokenizer_config.json": tok_cfg, "special_tokens_map.json": token_map}
+    model_cfg = {} if files else _json_file(directory, "config.json")  # read only without tokenizer files
     found = []
     for kind in ("bos", "eos"):
         token_id, key = None, f"{kind}_token"
@@ -134,7 +135,7 @@ def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int
             if name is not None:
                 token_id = _named_token_id(tokenizer, cfgs[name][key], key, os.path.join(directory, name))
         else:
-            value = _json_file(directory, "config.json").get(f"{kind}_token_id")
+            value = model_cfg.get(f"{kind}_token_id")
             value = value[0] if isinstance(value, list) and value else value
             token_id = value if isinstance(value, int) and not isinstance(value, bool) else None
         found.append(token_id)

@@ -180,8 +180,8 @@ def _scalar(value):
 
 
 def _check_sampling(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError, naming the argument, for values :func:`sample_next` has no meaning for."""
-    temperature, top_k, top_p = _scalar(temperature), _scalar(top_k), _scalar(top_p)
+    """Raise ValueError, naming the argument, for values :func:`sample_next` has no meaning for
+    (0-dim tensors already converted by :func:`_scalar`)."""
     for name, value, kind in (("temperature", temperature, numbers.Real), ("top_k", top_k, numbers.Integral),
                               ("top_p", top_p, numbers.Real)):
         if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
@@ -206,8 +206,8 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     (which must live on the logits' device). A negative ``temperature``, ``top_p`` outside [0, 1] or a
     negative ``top_k`` (0 or None: off) raises ValueError rather than sampling something else.
     """
-    _check_sampling(temperature, top_k, top_p)
     temperature, top_k, top_p = _scalar(temperature), _scalar(top_k), _scalar(top_p)
+    _check_sampling(temperature, top_k, top_p)
     if not temperature:
         return logits.argmax(dim=-1)
     logits = _filtered(logits.float() / temperature, top_k, top_p)
@@ -313,8 +313,8 @@ def generate(model: CausalLM, input_ids: torch.Tensor, max_new_tokens: int, temp
     max_new_tokens = _scalar(max_new_tokens)
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    _check_sampling(temperature, top_k, top_p)  # before the prefill, even when greedy
     temperature, top_k, top_p = _scalar(temperature), _scalar(top_k), _scalar(top_p)  # once, not per token
+    _check_sampling(temperature, top_k, top_p)  # before the prefill, even when greedy
     eos = _ids(eos_token_id)
     mask = None
     if attention_mask is not None:
