@@ -89,9 +89,10 @@ def step_flops(model: str, batch: int, seq: int) -> float:
 def base_row(impl: str, model: str, batch: int, seq: int, ac: bool) -> dict:
     """The identifying fields of a result row. ``ligermodels+compile`` is impl "ligermodels", variant "compile"
     (our model under ``torch.compile``); ``ligermodels+graph`` is variant "graph" (the whole step replayed
-    from a CUDA graph, :class:`ligermodels.cuda_graph.CUDAGraphStep`); the transformers impls keep the
-    issue's names."""
-    variant = "compile" if impl.endswith("+compile") else "graph" if impl.endswith("+graph") else "eager"
+    from a CUDA graph, :class:`ligermodels.cuda_graph.CUDAGraphStep`); ``ligermodels+master`` is variant
+    "master" (fp32 master weights in the optimiser, bf16 parameters: the precision of ligermodels.train);
+    the transformers impls keep the issue's names."""
+    variant = impl.split("+", 1)[1] if impl.startswith("ligermodels+") or impl.endswith("+compile") else "eager"
     name = "ligermodels" if impl.startswith("ligermodels") else impl
     return {"impl": name, "variant": variant, "model": model, "batch": batch, "seq": seq,
             "activation_checkpointing": ac}
@@ -105,8 +106,10 @@ def build(impl: str, model: str, activation_checkpointing: bool):
         from ligermodels.families import config_from_hf, family_of
 
         torch.manual_seed(0)
-        with torch.device("cuda"):
-            m = family_of(model_type).cls(config_from_hf(d)).to(torch.bfloat16).init_weights()
+        with torch.device("cuda"):  # +master: fp32 weights, made bf16 by the optimiser (measure)
+            m = family_of(model_type).cls(config_from_hf(d)).init_weights()
+        if impl != "ligermodels+master":
+            m = m.to(torch.bfloat16)
         if activation_checkpointing:
             from ligermodels.train import apply_activation_checkpointing
 
@@ -153,7 +156,9 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
     if impl.startswith("ligermodels"):  # our step: the Triton AdamW (kernels.adamw), the same math
         from kernels import AdamW
 
-        opt = AdamW(params, lr=1e-5, capturable=graph)
+        opt = AdamW(params, lr=1e-5, capturable=graph, master_weights=impl == "ligermodels+master")
+        if impl == "ligermodels+master":  # what ligermodels.train does on one GPU: fp32 masters, bf16 weights
+            opt.init_master_weights_(torch.bfloat16)
     else:
         opt = torch.optim.AdamW(params, lr=1e-5, fused=True)
     vocab = MODELS[model]["vocab_size"]

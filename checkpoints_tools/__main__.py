@@ -18,6 +18,7 @@ import torch
 
 from checkpoints_tools.hf_io import _DTYPES, load_hf, to_dtype
 from checkpoints_tools.hub import CheckpointError
+from ligermodels.cli import environment_error, print_error
 from ligermodels.families import UnsupportedConfigError
 
 #: Default --tol by dtype: about 10x the relative logit error of a correct load of tiny random models in
@@ -72,15 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        print(f"error: --device {args.device!r}: use cpu or cuda (cuda:N)", file=sys.stderr)
+        print_error(f"--device {args.device!r}: use cpu or cuda (cuda:N)")
         return 2
     if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
-        print(f"error: --device {args.device!r}, but no such CUDA device is visible", file=sys.stderr)
+        print_error(f"--device {args.device!r}, but no such CUDA device is visible")
         return 2
     try:
         err = verify(args.model, args.dtype, args.device, revision=args.revision)
     except (CheckpointError, UnsupportedConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(str(e))
+        return 2
+    except (ImportError, OSError, torch.OutOfMemoryError) as e:
+        print_error(environment_error(e))
         return 2
     if err is None:
         return 0

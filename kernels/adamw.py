@@ -14,6 +14,15 @@ Per element, in fp32, rounded once to each tensor's dtype (torch's decoupled wei
 
 with t the step count after this step. Bytes moved per element: read p, g, m, v; write p, m, v.
 
+Mixed precision (``master_weights=True``): the parameters hold the compute dtype (bf16) and the
+optimiser an fp32 master copy of each (``state["master"]``, moments in fp32 too). The kernel then
+reads the master instead of p and writes both: the master, and p rounded to its dtype (what a
+cast of the fp32 weights before the next forward would give, without that pass). Per element:
+read w, g, m, v; write w, m, v, p. Gradients of several micro-batches are summed in fp32
+(``accumulate_grads_``), and ``clip_grad_norm_`` computes the global norm in fp32 and hands the
+clipping factor to the kernel, which scales g as it reads it (no pass over the gradients). The
+checkpointed state is that of a run with fp32 parameters: see ``master_params``.
+
 The step count and (optionally) the learning rate live on the device, so a step has no host
 synchronisation and can be captured in a CUDA graph (``capturable=True`` is accepted, and needed by
 ``ligermodels.cuda_graph.CUDAGraphStep``; the kernel path is always capturable). Parameters that are
@@ -37,9 +46,11 @@ _WARPS = 8
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, lr, n, beta1, beta2, log2_beta1, log2_beta2,
-                  eps, weight_decay, LR_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr):
-    """One BLOCK of one parameter: the AdamW update of p, m (exp_avg), v (exp_avg_sq) in place."""
+def _adamw_kernel(p_ptr, w_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, n, beta1, beta2, log2_beta1,
+                  log2_beta2, eps, weight_decay, LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr,
+                  SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One BLOCK of one parameter: the AdamW update of p (or of its master w, then p = w rounded),
+    m (exp_avg), v (exp_avg_sq) in place; with SCALE, g is multiplied by ``*scale_ptr`` first."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     t = tl.load(step_ptr).to(tl.float32)  # already incremented for this step
@@ -47,17 +58,42 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, lr, n, beta1, be
         lr = tl.load(lr_ptr).to(tl.float32)
     bc1 = 1.0 - tl.exp2(t * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(t * log2_beta2))
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if MASTER:
+        p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    else:
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALE:
+        g = g * tl.load(scale_ptr)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p = p * (1.0 - lr * weight_decay)
     m = m + (1.0 - beta1) * (g - m)
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    if MASTER:
+        tl.store(w_ptr + offs, p, mask=mask)
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+def adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, master: torch.Tensor | None = None,
+                     grad_scale: torch.Tensor | None = None) -> None:
+    """The kernel's arithmetic in PyTorch (fp32; the CPU path of master-weight and scaled steps)."""
+    w = master if master is not None else param.float()
+    g = grad.float() if grad_scale is None else grad.float() * grad_scale
+    m, v = exp_avg.float(), exp_avg_sq.float()
+    t = step.float()
+    w.mul_(1.0 - lr * weight_decay)
+    m.add_((1.0 - beta1) * (g - m))
+    v.mul_(beta2).add_((1.0 - beta2) * g * g)
+    w.sub_((lr / (1.0 - beta1 ** t)) * m / (v.sqrt() / (1.0 - beta2 ** t).sqrt() + eps))
+    for dst, src in ((exp_avg, m), (exp_avg_sq, v), (param, w)):
+        if dst is not src:
+            dst.copy_(src)
 
 
 def _log2(beta: float) -> float:
@@ -106,14 +142,18 @@ def _check_layout(param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
-                  weight_decay: float) -> None:
+                  weight_decay: float, master: torch.Tensor | None = None,
+                  grad_scale: torch.Tensor | None = None) -> None:
     """Apply one AdamW update in place to ``param``, ``exp_avg``, ``exp_avg_sq`` (one shape, dense, equal
-    strides; ``grad`` too).
+    strides; ``grad`` and ``master`` too).
 
     ``step``: a 0-dim float tensor on the parameter's device holding the step count *after* this update
     (1 on the first). ``lr``: a float, or a 0-dim tensor on the device (read by the kernel).
+    ``master``: the fp32 master of a low-precision ``param``: updated, and ``param`` set to it rounded.
+    ``grad_scale``: a 0-dim fp32 tensor on the device multiplying the gradient (gradient clipping).
     """
     p, g, m, v = (_flat(_local(t)) for t in (param, grad, exp_avg, exp_avg_sq))
+    w = _flat(_local(master)) if master is not None else p
     n = p.numel()
     if n == 0:
         return
@@ -121,9 +161,11 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     if on_device and lr.device != p.device:
         raise ValueError(f"kernels.AdamW: the lr tensor is on {lr.device}, the parameter on {p.device}; "
                          "put the lr on the parameters' device")
+    step = _local(step)
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-        p, g, m, v, _local(step), lr if on_device else step, 0.0 if on_device else float(lr), n, beta1, beta2,
-        _log2(beta1), _log2(beta2), eps, weight_decay, LR_ON_DEVICE=on_device, BLOCK=_BLOCK,
+        p, w, g, m, v, step, lr if on_device else step, step if grad_scale is None else grad_scale,
+        0.0 if on_device else float(lr), n, beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
+        LR_ON_DEVICE=on_device, MASTER=master is not None, SCALE=grad_scale is not None, BLOCK=_BLOCK,
         num_warps=_WARPS)
 
 
@@ -134,55 +176,197 @@ class AdamW(torch.optim.AdamW):
     ``weight_decay``, ``capturable``. Refused: ``amsgrad``, ``maximize``, ``foreach``, ``fused``,
     ``differentiable`` (the kernel implements plain AdamW). State per parameter: ``step`` (0-dim float32 on
     the parameter's device), ``exp_avg``, ``exp_avg_sq`` (the parameter's shape and dtype), as torch's.
+
+    ``master_weights=True``: low-precision parameters get an fp32 ``master`` in their state and fp32
+    moments (see the module docstring); :meth:`init_master_weights_` makes them from fp32 parameters
+    and then casts those to the compute dtype, so no precision is lost at the start.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, capturable: bool = False, **unsupported):
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, capturable: bool = False,
+                 master_weights: bool = False, **unsupported):
         unsupported = {k: v for k, v in unsupported.items() if v}  # torch's defaults (None / False) ask for nothing
         if unsupported:
             raise ValueError(f"kernels.AdamW does not take {sorted(unsupported)} (plain AdamW only); "
                              "use torch.optim.AdamW for those")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=capturable)
+        self.master_weights = master_weights
+        self._grad_scale: torch.Tensor | None = None  # set by clip_grad_norm_, used by the next step
 
+    # ------------------------------------------------------------------------------ mixed precision
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _has_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype != torch.float32 and p.is_floating_point()
+
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "master" not in state:  # from the parameter itself (init_master_weights_ keeps fp32 values instead)
+            state["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+        return state["master"]
+
+    @torch.no_grad()
+    def init_master_weights_(self, dtype: torch.dtype) -> None:
+        """Take each fp32 parameter as its own master and cast the parameter to ``dtype`` (plain tensors,
+        not DTensors: the parameter's storage is replaced, the Parameter object kept)."""
+        self.master_weights = True
+        for p in self._params():
+            if p.dtype == torch.float32 and dtype != torch.float32:
+                self.state[p]["master"] = p.detach().clone(memory_format=torch.preserve_format)
+                p.data = p.data.to(dtype)
+
+    def master_params(self) -> dict[torch.Tensor, torch.Tensor]:
+        """parameter -> the fp32 tensor that holds its value (its master, or itself when fp32)."""
+        return {p: self._master(p) if self._has_master(p) else p for p in self._params()}
+
+    @torch.no_grad()
+    def copy_masters_to_params_(self) -> None:
+        """Set each parameter to its master rounded to its dtype (after the masters were loaded)."""
+        for p in self._params():
+            if self._has_master(p):
+                p.copy_(self._master(p))
+
+    @torch.no_grad()
+    def accumulate_grads_(self) -> None:
+        """Add each low-precision parameter's gradient to its fp32 sum and clear it (call after every
+        micro-batch's backward when accumulating): the sum is what ``clip_grad_norm_`` and ``step`` use.
+        fp32 parameters are left alone (autograd already accumulates their gradients in fp32)."""
+        for p in self._params():
+            if p.grad is not None and self._has_master(p):
+                state = self.state[p]
+                if "grad_sum" in state:
+                    state["grad_sum"].add_(p.grad)
+                else:
+                    state["grad_sum"] = p.grad.float()
+                p.grad = None
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient a step uses: the fp32 sum of accumulated micro-batches, else ``p.grad``."""
+        return self.state[p]["grad_sum"] if "grad_sum" in self.state.get(p, {}) else p.grad
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global L2 norm of the gradients (fp32, over every rank's shards; no host sync), as
+        ``torch.nn.utils.clip_grad_norm_`` computes it; the next ``step`` scales the gradients by
+        ``min(1, max_norm / (norm + 1e-6))`` inside the kernel."""
+        grads = [g for g in (self._grad(p) for p in self._params()) if g is not None]
+        if not grads:
+            return torch.zeros(())
+        if any(hasattr(g, "to_local") for g in grads):  # DTensor shards: torch reduces the partial norms
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        else:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norm = torch.linalg.vector_norm(torch.stack(norms))
+        self._grad_scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(torch.float32)
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params():
+            self.state.get(p, {}).pop("grad_sum", None)
+        super().zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, keeping fp32 state fp32 (torch casts every state tensor to its parameter's dtype), and
+        the current masters where the loaded state has none (a checkpoint keeps them as the model's weights)."""
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        kept = {}
+        for saved_id, p in zip(saved_ids, self._params(), strict=False):
+            state = state_dict["state"].get(saved_id, {})
+            kept[p] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"
+                       and v.dtype == torch.float32 and self._has_master(p)}
+            if "master" not in kept[p] and "master" in self.state.get(p, {}):
+                kept[p]["master"] = self.state[p]["master"]
+        super().load_state_dict(state_dict)
+        for p, tensors in kept.items():
+            for k, v in tensors.items():
+                self.state[p][k] = v.to(device=p.device)
+
+    # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with_grad = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        scale, self._grad_scale = self._grad_scale, None
+        with_grad = [p for p in self._params() if self._grad(p) is not None]
         if with_grad and not all(use_triton(_local(p)) for p in with_grad):
-            super().step()  # the reference: torch's AdamW (CPU tensors without the interpreter)
+            self._reference_step(with_grad, scale)
             return loss
         for i, group in enumerate(self.param_groups):  # every check first: an error leaves nothing half-stepped
             refused = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
-            if refused and any(p.grad is not None for p in group["params"]):  # set by add_param_group / a state dict
+            if refused and any(self._grad(p) is not None for p in group["params"]):  # add_param_group / state dict
                 raise ValueError(f"kernels.AdamW: param group {i} sets {refused}; plain AdamW only")
             for p in group["params"]:
-                if p.grad is not None:
-                    _check_layout(p, p.grad, self.state.get(p, {}))
+                if self._grad(p) is not None:
+                    _check_layout(p, self._grad(p), self.state.get(p, {}))
+        for group, params in self._prepare(with_grad):
+            lr = self._lr(group, params)
+            beta1, beta2 = group["betas"]
+            for p in params:
+                state, grad = self.state[p], self._grad(p)
+                grad = grad if grad.stride() == p.stride() else torch.empty_like(p, dtype=grad.dtype).copy_(grad)
+                adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
+                              group["eps"], group["weight_decay"], master=state.get("master"), grad_scale=scale)
+        return loss
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        """torch's layout: step on the device (as with capturable), moments like p (like its master)."""
+        state = self.state[p]
+        master = self._master(p) if self._has_master(p) else None
+        if "step" not in state:
+            like = p if master is None else master
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        elif state["step"].device != p.device:  # a state dict loaded from torch's AdamW keeps it on the CPU
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def init_state_(self) -> None:
+        """Make every parameter's state (zero moments, step 0) without stepping: the layout a checkpoint
+        is loaded into."""
+        for p in self._params():
+            self._init_state(p)
+
+    def _prepare(self, with_grad: list[torch.Tensor]) -> list[tuple[dict, list[torch.Tensor]]]:
+        """Per group: (group, its parameters with a gradient), their state made and steps advanced."""
+        out, ids = [], {id(p) for p in with_grad}
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if id(p) in ids]
             if not params:
                 continue
-            lr = group["lr"]
-            if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and params[0].device.type != "cpu":
-                lr = lr.item()  # a host tensor (torch.distributed.checkpoint makes one): read without a GPU sync
-            steps = []
             for p in params:
-                state = self.state[p]
-                if not state:  # torch's layout: step on the device (as with capturable), moments like p
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif state["step"].device != p.device:  # a state dict loaded from torch's AdamW keeps it on the CPU
-                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
-                steps.append(state["step"])
+                self._init_state(p)
+            steps = [self.state[p]["step"] for p in params]
             torch._foreach_add_(steps, 1.0)
+            out.append((group, params))
+        return out
+
+    @staticmethod
+    def _lr(group: dict, params: list[torch.Tensor]) -> float | torch.Tensor:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and params[0].device.type != "cpu":
+            lr = lr.item()  # a host tensor (torch.distributed.checkpoint makes one): read without a GPU sync
+        return lr
+
+    def _reference_step(self, with_grad: list[torch.Tensor], scale: torch.Tensor | None) -> None:
+        """Where the kernel cannot run: torch's AdamW, or the kernel's arithmetic in PyTorch for master
+        weights and accumulated or scaled gradients (which torch's AdamW does not have)."""
+        plain = not self.master_weights and not any("grad_sum" in self.state.get(p, {}) for p in with_grad)
+        if plain:
+            if scale is not None:
+                torch._foreach_mul_([p.grad for p in with_grad], scale.to(with_grad[0].grad.device))
+            super().step()
+            return
+        for group, params in self._prepare(with_grad):
+            lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
             beta1, beta2 = group["betas"]
             for p in params:
                 state = self.state[p]
-                grad = p.grad if p.grad.stride() == p.stride() else torch.empty_like(p).copy_(p.grad)  # p's layout
-                adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr,
-                              beta1, beta2, group["eps"], group["weight_decay"])
-        return loss
+                adamw_reference_(_local(p), _local(self._grad(p)), _local(state["exp_avg"]),
+                                 _local(state["exp_avg_sq"]), _local(state["step"]), lr, beta1, beta2, group["eps"],
+                                 group["weight_decay"],
+                                 master=_local(state["master"]) if "master" in state else None, grad_scale=scale)

@@ -9,6 +9,10 @@ The building kit (``RMSNorm``, ``Attention``, ``MLP``, ``DecoderLayer``, ``Causa
 composes custom models from the same kernel blocks.
 """
 
+from ligermodels.dependencies import require_runtime_dependencies
+
+require_runtime_dependencies()  # names a missing package before torch or triton is imported
+
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.blocks import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from ligermodels.config import DecoderConfig

@@ -62,11 +62,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from tokenizers import Tokenizer
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -78,6 +80,7 @@ from checkpoints_tools.hub import safetensors_files
 from kernels import AdamW
 from ligermodels import demo_corpus
 from ligermodels.blocks import MLP, RMSNorm
+from ligermodels.cli import environment_error, print_error
 from ligermodels.config import DecoderConfig
 from ligermodels.data import DataError, Document, PackedRows, count_loss_tokens, read_jsonl, special_token_ids, tokenize
 from ligermodels.families import UnsupportedConfigError, config_from_hf, family_of
@@ -94,7 +97,7 @@ class TrainError(RuntimeError):
 #: Defaults shared by every run; then those of the demo or of a run on ``--model`` / ``--data``.
 COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=1.0,
                        seed=0, ac="none", keep_checkpoints=3, resume=False, overwrite=False,
-                       from_scratch=False, loss_strategy="tokens")
+                       from_scratch=False, loss_strategy="tokens", profile=False)
 DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20, save_every=200,
                      log_every=50)
 RUN_DEFAULTS = dict(out=None, seq_len=None, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500,
@@ -137,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--dtype", choices=("bf16", "fp32"), help="compute dtype (master weights are fp32); default bf16 on cuda")
     a("--device", choices=("cuda", "cpu"), help="default cuda when present (NCCL), else cpu (gloo)")
     a("--log-every", type=int, help="print a progress line every N steps (metrics.jsonl gets every step)")
+    a("--profile", action="store_true", default=None,
+      help="profile two steps after the first five with torch.profiler: OUT/profile.txt (rank 0)")
     args = p.parse_args(argv)
 
     if args.config:
@@ -412,12 +417,18 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
 
 
 def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> CausalLM:
-    """The model, FSDP2-sharded over all ranks, with fp32 master weights.
+    """The model with fp32 weights: FSDP2-sharded over the ranks when there are several.
 
     Rank 0 alone reads the checkpoint (or draws the from-scratch init from ``--seed``) on the host;
     every rank builds the model on the meta device, shards it, allocates its shards and receives
     them from rank 0. So the start is the same for any number of ranks, and host memory holds
     one full copy, not one per rank.
+
+    Several ranks: FSDP2 keeps the fp32 shards and computes in bf16 (each layer's weights cast as
+    they are gathered, gradients reduced in fp32). One rank has nothing to shard or reduce: the
+    model stays a plain module, and :func:`build_optimizer` moves its fp32 weights into the
+    optimiser as masters and casts the parameters to bf16 once; the numbers are those of FSDP2's
+    cast (the same bf16 weights every step), without its per-layer casts, copies and hooks.
     """
     full_state, error = {}, None
     if rank == 0:
@@ -437,14 +448,15 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
     with torch.device("meta"):
         model = inputs.cls(inputs.config)
     apply_activation_checkpointing(model, args.ac)
-    mesh = init_device_mesh(device.type, (world,))
-    # bf16 compute with fp32 gradient reduction; cos/sin tables stay fp32 (no casting of layer inputs).
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
-                              reduce_dtype=torch.float32, cast_forward_inputs=False)
-    for i, layer in enumerate(model.layers):  # the last layer's backward starts at once: keep it gathered
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
+    if world > 1:
+        mesh = init_device_mesh(device.type, (world,))
+        # bf16 compute with fp32 gradient reduction; cos/sin tables stay fp32 (no casting of layer inputs).
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
+        for i, layer in enumerate(model.layers):  # the last layer's backward starts at once: keep it gathered
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
     model.to_empty(device=device)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     model.init_buffers()
@@ -452,13 +464,27 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
 
 
 # ------------------------------------------------------------------------------------------ optimiser
-def build_optimizer(model: CausalLM, args: argparse.Namespace) -> torch.optim.AdamW:
+def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> AdamW:
     """AdamW with weight decay on matrices only: ``kernels.AdamW`` (the Triton update on each rank's shards;
-    torch's AdamW on the CPU). Its state dict is torch's AdamW's."""
+    torch's AdamW on the CPU). Its state dict is torch's AdamW's.
+
+    One rank computing in bf16 (see :func:`build_model`): the fp32 parameters become the optimiser's
+    masters and the parameters bf16 (``AdamW.init_master_weights_``); each step updates the masters
+    and writes the bf16 weights the next forward uses.
+    """
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if world == 1 and args.dtype == "bf16":
+        optimizer.init_master_weights_(torch.bfloat16)
+    return optimizer
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host batch tensor on ``device`` without making the host wait for the GPU (a copy from pageable
+    memory waits for the stream; one from pinned memory is queued like a kernel)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def lr_factor(i: int, schedule: str, warmup: int, steps: int, min_ratio: float) -> float:
@@ -488,8 +514,11 @@ def save_checkpoint(out: str, step: int, model: CausalLM, optimizer: torch.optim
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    try:
+        dcp.save(checkpoint_state(model, optimizer), checkpoint_id=tmp)
+    except CheckpointException as e:  # a BaseException: would escape the CLI's handlers with a traceback
+        raise TrainError(f"writing the checkpoint {tmp} failed ({_failures(e)}); check the disk's free space "
+                         "and permissions, then --resume from the previous checkpoint") from None
     torch.save(rng_state(device), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
     dist.barrier()  # every rank's files are on disk
     if rank == 0:
@@ -510,13 +539,40 @@ def save_checkpoint(out: str, step: int, model: CausalLM, optimizer: torch.optim
     dist.barrier()
 
 
+def checkpoint_state(model: CausalLM, optimizer: AdamW) -> dict:
+    """``{"model": weights, "optim": optimiser state}`` by parameter name, as torch.distributed.checkpoint
+    saves and loads them. The weights are fp32 whatever the compute dtype: with master weights (one
+    rank, bf16) the masters stand in for the bf16 parameters (and leave the optimiser's entries), so a
+    checkpoint is the same on any number of ranks and resumes on any other."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    masters = {p.data_ptr(): w for p, w in optimizer.master_params().items() if w is not p}
+    if masters:
+        model_sd = {name: masters.get(t.data_ptr(), t) for name, t in model_sd.items()}
+        for entry in optim_sd["state"].values():
+            entry.pop("master", None)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _failures(e: CheckpointException) -> str:
+    """Each failing rank's exception in one line (the exception's own text holds whole tracebacks)."""
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(e.failures.items()))
+
+
 def load_checkpoint(path: str, model: CausalLM, optimizer: torch.optim.Optimizer, rank: int,
                     device: torch.device) -> None:
     """Load model, optimiser and this rank's RNG from a checkpoint directory (any number of ranks)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    optimizer.init_state_()  # the moments must exist to be loaded into
+    state = checkpoint_state(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except CheckpointException as e:
+        raise TrainError(f"the checkpoint {path} cannot be read ({_failures(e)}): it is damaged; delete it to "
+                         "--resume from the previous one, or start again with --overwrite") from None
+    if optimizer.master_weights:  # the fp32 weights were loaded into the masters: round them into the model
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+        optimizer.copy_masters_to_params_()
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_path = os.path.join(path, f"rng_rank{rank:05d}.pt")
     if os.path.isfile(rng_path):  # absent when resuming on more ranks than wrote it
         rng = torch.load(rng_path, weights_only=True)
@@ -588,6 +644,81 @@ class Progress:
         sys.stdout.flush()
 
 
+class StepProfiler:
+    """``--profile``: torch.profiler over two steps after the first five (fewer in a short run); rank 0
+    writes ``OUT/profile.txt``: the profiled steps' wall time, the GPU's busy time by kernel category
+    and the rest (the GPU idle: host work, syncs, launch gaps), then the top kernels."""
+
+    #: Kernel-name patterns -> category, first match wins.
+    CATEGORIES = (("matmul", r"gemm|matmul|cutlass|nvjet|xmma|cublas|splitk"),
+                  ("attention", r"flash|fmha|attention|_attn|sdpa|flex"),
+                  ("communication (NCCL)", r"nccl"),
+                  ("optimizer", r"adam|multi_tensor|FusedOptim"),
+                  ("ligermodels kernels", r"_rms_norm|_rope|_glu|_ce_|_flce|_scale_cast"),
+                  ("copies and casts", r"copy|cast|cat|fill|zero"))
+
+    def __init__(self, enabled: bool, steps: int, first: int = 5, count: int = 2):
+        first = min(first, max(0, steps - count))
+        self.steps = range(first + 1, min(first + count, steps) + 1) if enabled else range(0)
+        self.prof, self.t0 = None, 0.0
+
+    def before(self, step: int, device: torch.device) -> None:
+        """Called before step ``step`` (1-based) starts."""
+        if step == self.steps.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            self.prof = profile(activities=activities)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def wants(self, step: int) -> bool:
+        """Whether step ``step`` is the last profiled one: its numbers are read at once, ending the profile."""
+        return self.prof is not None and step == self.steps.stop - 1
+
+    def after(self, step: int, path: str, rank: int) -> None:
+        """Called after step ``step`` finished (the host waited for the device)."""
+        if self.prof is None or step != self.steps.stop - 1:
+            return
+        wall_ms = (time.perf_counter() - self.t0) * 1e3 / len(self.steps)
+        self.prof.__exit__(None, None, None)
+        if rank == 0:
+            with open(path, "w") as f:
+                f.write(self.report(wall_ms))
+        self.prof = None
+
+    def report(self, wall_ms: float) -> str:
+        n = len(self.steps)
+        per_cat: dict[str, float] = {}
+        kernels: dict[str, float] = {}
+        for e in self.prof.key_averages():
+            if e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.key:
+                continue
+            ms = getattr(e, "self_device_time_total", 0) / n / 1e3
+            if ms <= 0:
+                continue
+            cat = next((c for c, pat in self.CATEGORIES if re.search(pat, e.key, re.I)), "other elementwise")
+            per_cat[cat] = per_cat.get(cat, 0.0) + ms
+            kernels[e.key] = kernels.get(e.key, 0.0) + ms
+        busy = sum(per_cat.values())
+        lines = [f"# steps {self.steps.start}-{self.steps.stop - 1}: {wall_ms:.2f} ms a step (wall, host clock); "
+                 f"GPU busy {busy:.2f} ms ({100 * busy / wall_ms:.1f}%)", "",
+                 f"{'category':32s} {'ms/step':>9s} {'% step':>7s}"]
+        for cat, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
+            lines.append(f"{cat:32s} {ms:9.2f} {100 * ms / wall_ms:6.1f}%")
+        idle = wall_ms - busy
+        lines.append(f"{'GPU idle (host, syncs, gaps)':32s} {idle:9.2f} {100 * idle / wall_ms:6.1f}%")
+        lines += ["", "Top 30 GPU kernels (ms/step):"]
+        lines += [f"{ms:9.3f}  {k[:120]}" for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]]
+        lines += ["", "Top 30 host ops by self CPU time (ms/step):"]
+        host = sorted((e for e in self.prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                      key=lambda e: -e.self_cpu_time_total)[:30]
+        lines += [f"{e.self_cpu_time_total / n / 1e3:9.3f}  {e.count // n:6d}x  {e.key[:100]}" for e in host]
+        return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------ demo
 def greedy_complete(model: CausalLM, tokenizer: Tokenizer, prompt: str, bos: int | None, eos: int | None,
                     max_new_tokens: int = 24) -> str:
@@ -600,14 +731,19 @@ def greedy_complete(model: CausalLM, tokenizer: Tokenizer, prompt: str, bos: int
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> None:
+    """The command line: every error a user can cause ends in one ``error:`` line and exit status 2."""
     args = parse_args(argv)
     rank, world, device = setup_distributed(args.device)
     try:
         train(args, rank, world, device)
         dist.barrier()  # no rank tears the group down while another still works (rank 0 exports, completes)
     except (TrainError, DataError, CheckpointError, UnsupportedConfigError) as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if rank == 0:  # every rank checks the inputs alike and stops with the same message
+            print_error(str(e))
+        raise SystemExit(2) from None
+    except (ImportError, OSError, torch.OutOfMemoryError) as e:  # this rank's environment: named by this rank
+        message = environment_error(e)
+        print_error(message, rank)
         raise SystemExit(2) from None
     finally:
         dist.destroy_process_group()
@@ -647,7 +783,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if rank == 0 and args.overwrite:
         for what in ("checkpoints", "final"):
             shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
-    optimizer = build_optimizer(model, args)
+    optimizer = build_optimizer(model, args, world)
     schedule = partial(lr_factor, schedule=args.lr_schedule, warmup=args.warmup_steps, steps=args.steps,
                        min_ratio=args.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(i))
@@ -675,36 +811,24 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         f"{len(inputs.documents)} documents, {rows.epoch_len} tokens per epoch | {world} rank(s) on {device.type}, "
         f"{args.dtype}, global batch {global_rows} x {args.seq_len} tokens | steps {step + 1}..{args.steps}")
 
-    # -- the loop
+    # -- the loop. The host reads a step's numbers (loss, gradient norm: a sync) only once the next step
+    # is queued behind it, so the GPU never waits for the host between steps; a step due for a
+    # checkpoint, and the last, are read at once (a non-finite one never reaches a checkpoint or final/).
     progress = Progress(args.steps, args.log_every)
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    while step < args.steps:
-        t0 = time.perf_counter()
-        micro = [rows.rows(rows_consumed + (m * world + rank) * args.batch_size, args.batch_size)
-                 for m in range(args.grad_accum)]
-        n_tokens = torch.tensor(sum(count_loss_tokens(labels) for _, labels, _ in micro), device=device)
-        dist.all_reduce(n_tokens)  # tokens with a label in the whole global batch
-        num_items = n_tokens.clamp(min=1)
-        loss_sum = torch.zeros((), device=device)
-        for input_ids, labels, positions in micro:
-            input_ids, labels, positions = (t.to(device, non_blocking=True) for t in (input_ids, labels, positions))
-            loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
-                              document_ids=document_ids_from_positions(positions), strategy=args.loss_strategy)
-            (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)
-        step, rows_consumed = step + 1, rows_consumed + global_rows
+    profiler = StepProfiler(args.profile, args.steps)
+    pending: list[tuple[int, torch.Tensor, float]] = []  # (step, [loss, tokens, grad norm] on device, lr)
+    t_read = time.perf_counter()
 
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        loss_v, tokens_v, norm_v = torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]).tolist()  # the sync
-        dt = time.perf_counter() - t0
-        m = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": norm_v, "tokens": int(tokens_v),
+    def read_step() -> None:
+        """Wait for the oldest pending step, write its metrics line, stop on a non-finite loss or norm."""
+        nonlocal t_read
+        done, stats, lr = pending.pop(0)
+        loss_v, tokens_v, norm_v = stats.tolist()  # the sync
+        now = time.perf_counter()
+        dt, t_read = now - t_read, now
+        profiler.after(done, os.path.join(args.out, "profile.txt"), rank)
+        m = {"step": done, "loss": loss_v, "lr": lr, "grad_norm": norm_v, "tokens": int(tokens_v),
              "tokens_per_s": tokens_per_step / dt,
              "mfu": None if peak is None else flops * tokens_per_step / dt / (peak * world),
              "peak_mem_gb": peak_memory_gb(device)}
@@ -714,9 +838,39 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                                     for k, v in m.items()}, allow_nan=False) + "\n")
             progress.update(m)
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
-            raise TrainError(f"step {step}: the loss is {loss_v} and the gradient norm {norm_v}; stopping before "
+            raise TrainError(f"step {done}: the loss is {loss_v} and the gradient norm {norm_v}; stopping before "
                              "non-finite weights reach a checkpoint or final/ (lower --lr, or check the data)")
-        if args.save_every > 0 and (step % args.save_every == 0 or step == args.steps):
+
+    while step < args.steps:
+        profiler.before(step + 1, device)
+        micro = [rows.rows(rows_consumed + (m * world + rank) * args.batch_size, args.batch_size)
+                 for m in range(args.grad_accum)]
+        n_tokens = torch.tensor(sum(count_loss_tokens(labels) for _, labels, _ in micro), device=device)
+        dist.all_reduce(n_tokens)  # tokens with a label in the whole global batch
+        num_items = n_tokens.clamp(min=1)
+        loss_sum = torch.zeros((), device=device)
+        for input_ids, labels, positions in micro:
+            input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
+            loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
+                              document_ids=document_ids_from_positions(positions), strategy=args.loss_strategy)
+            (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
+            loss_sum += loss.detach()
+            if args.grad_accum > 1:
+                optimizer.accumulate_grads_()  # low-precision gradients summed in fp32
+        grad_norm = optimizer.clip_grad_norm_(max_norm)  # the next step() scales the gradients
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)
+        step, rows_consumed = step + 1, rows_consumed + global_rows
+        if pending:
+            read_step()  # the previous step, now that this one is queued
+        pending.append((step, torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]), lr))
+        due = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
+        if due or step == args.steps or profiler.wants(step):
+            read_step()
+        if due:
             state = {"step": step, "rows_consumed": rows_consumed, "scheduler": scheduler.state_dict(),
                      **{key: getattr(args, key) for key in RESUME_FLAGS}, "world_size": world,
                      **args.resume_inputs, "model": _place(args.model), "data": _place(args.data)}

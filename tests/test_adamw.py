@@ -161,3 +161,109 @@ def test_adamw_refuses_options_it_does_not_implement():
     z.grad = torch.ones_like(z)
     with pytest.raises(ValueError, match="complex parameter"):
         AdamW([z]).step()
+
+
+# ------------------------------------------------------------------------------ mixed precision
+def _master_run(p32, grads):
+    """A bf16 parameter whose fp32 master starts at ``p32``, stepped once per gradient; (param, optimizer)."""
+    p = torch.nn.Parameter(p32.clone())
+    opt = AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master_weights=True)
+    opt.init_master_weights_(torch.bfloat16)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_master_weights_step_the_fp32_master_and_round_it_into_the_bf16_parameter(shape):
+    p32 = randn(*shape)
+    assert_triton_runs(p32)
+    grads = [randn(*shape, scale=s).to(torch.bfloat16) for s in (1.0, 0.1, 3.0)]
+    p, opt = _master_run(p32, grads)
+    master = opt.state[p]["master"]
+    assert p.dtype == torch.bfloat16 and master.dtype == torch.float32
+    assert opt.state[p]["exp_avg"].dtype == torch.float32 and opt.state[p]["exp_avg_sq"].dtype == torch.float32
+    ref_p, ref_m, ref_v = _float64_adamw(p32, [g.float() for g in grads], LR, BETAS, EPS, WD)  # from the fp32 start
+    assert_rel(master.double() - p32.double(), ref_p - p32.double(), torch.float32, "master - p0")
+    assert_rel(opt.state[p]["exp_avg"], ref_m, torch.float32, "exp_avg")
+    assert torch.equal(p.detach(), master.to(torch.bfloat16)), "the parameter is not its master rounded"
+
+
+def test_clip_scales_the_gradient_inside_the_step_with_torchs_norm():
+    shapes = [(37, 53), (1000,)]
+    p32s = [randn(*s) for s in shapes]
+    assert_triton_runs(p32s[0])
+    grads = [randn(*s, scale=4.0).to(torch.bfloat16) for s in shapes]
+    params = [torch.nn.Parameter(p.clone()) for p in p32s]
+    opt = AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master_weights=True)
+    opt.init_master_weights_(torch.bfloat16)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    norm = opt.clip_grad_norm_(1.0)
+    ref_grads = [g.float() for g in grads]  # what an fp32 parameter's gradient would be
+    fp32 = [torch.nn.Parameter(torch.zeros_like(g)) for g in ref_grads]
+    for q, g in zip(fp32, ref_grads, strict=True):
+        q.grad = g
+    ref_norm = torch.nn.utils.clip_grad_norm_(fp32, 1.0, foreach=True)
+    assert abs(norm.item() - ref_norm.item()) <= 1e-6 * ref_norm.item() and norm.item() > 1.0
+    opt.step()
+    for p, p32, q in zip(params, p32s, fp32, strict=True):
+        ref_p, _, _ = _float64_adamw(p32, [q.grad], LR, BETAS, EPS, WD)  # torch clipped q.grad in place
+        assert_rel(opt.state[p]["master"].double() - p32.double(), ref_p - p32.double(), torch.float32, "clipped")
+    assert opt._grad_scale is None, "the clipping factor must apply to one step only"
+
+
+def test_accumulated_micro_batch_gradients_are_summed_in_fp32():
+    p32 = randn(64, 33)
+    assert_triton_runs(p32)
+    parts = [randn(64, 33).to(torch.bfloat16) for _ in range(3)]
+    p = torch.nn.Parameter(p32.clone())
+    opt = AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master_weights=True)
+    opt.init_master_weights_(torch.bfloat16)
+    for g in parts:
+        p.grad = g.clone()
+        opt.accumulate_grads_()
+        assert p.grad is None
+    total = sum(g.float() for g in parts)
+    assert torch.equal(opt.state[p]["grad_sum"], total), "not the fp32 sum of the bf16 micro-batch gradients"
+    opt.step()
+    ref_p, _, _ = _float64_adamw(p32, [total], LR, BETAS, EPS, WD)
+    assert_rel(opt.state[p]["master"].double() - p32.double(), ref_p - p32.double(), torch.float32, "master - p0")
+    opt.zero_grad()
+    assert "grad_sum" not in opt.state[p]
+
+
+def test_the_pytorch_path_of_master_weights_equals_the_kernel(monkeypatch):
+    p32 = randn(37, 53)
+    assert_triton_runs(p32)
+    grads = [randn(37, 53, scale=3.0).to(torch.bfloat16) for _ in range(3)]
+    results = []
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr("kernels.adamw.use_triton", lambda t: False)
+        p = torch.nn.Parameter(p32.clone())
+        opt = AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master_weights=True)
+        opt.init_master_weights_(torch.bfloat16)
+        for g in grads:
+            p.grad = g.clone()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+        results.append((p.detach().clone(), opt.state[p]["master"].clone()))
+    assert rel_err(results[1][1], results[0][1]) <= 1e-6
+    assert (results[1][0].float() != results[0][0].float()).float().mean() <= 1e-3  # rounding ties at most
+
+
+def test_a_state_dict_round_trip_keeps_the_fp32_masters_and_moments():
+    p32 = randn(16, 8)
+    p = torch.nn.Parameter(p32.clone())
+    opt = AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master_weights=True)
+    opt.init_master_weights_(torch.bfloat16)
+    p.grad = randn(16, 8).to(torch.bfloat16)
+    opt.step()
+    saved = {k: v.clone() for k, v in opt.state[p].items()}
+    q = torch.nn.Parameter(p.detach().clone())
+    other = AdamW([q], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, master_weights=True)
+    other.load_state_dict(opt.state_dict())
+    for k in ("master", "exp_avg", "exp_avg_sq"):
+        assert other.state[q][k].dtype == torch.float32 and torch.equal(other.state[q][k], saved[k]), k

@@ -159,6 +159,60 @@ def test_split_invariance_one_rank_accum2_equals_two_ranks(run_one, run_two):
         assert _rel(w1[k], w2[k]) <= 1e-5, k
 
 
+@pytest.fixture(scope="module")
+def runs_bf16(checkpoint, data, workdir):
+    """bf16 on the CPU: one rank (master weights in the optimiser, no FSDP) with grad-accum 2 and a
+    checkpoint at step 2, two FSDP ranks (fp32 shards, bf16 compute), and the one-rank run resumed
+    from its step-2 checkpoint."""
+    flags = {"one": ["--grad-accum", "2"], "two": ["--grad-accum", "1"]}
+    outs = {}
+    for name, extra in flags.items():
+        out = workdir / f"bf16-{name}"
+        f = _flags(checkpoint, data, out)
+        f[f.index("--dtype") + 1] = "bf16"
+        res = _train([*f, *extra, "--save-every", "2"], nproc=1 if name == "one" else 2)
+        assert res.returncode == 0, res.stderr[-4000:]
+        outs[name] = out
+    resumed = workdir / "bf16-resumed"
+    shutil.copytree(outs["one"], resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    shutil.rmtree(resumed / "final")
+    f = _flags(checkpoint, data, resumed)
+    f[f.index("--dtype") + 1] = "bf16"
+    res = _train([*f, "--grad-accum", "2", "--save-every", "2", "--resume"])
+    assert res.returncode == 0 and "(step 2)" in res.stdout, res.stderr[-4000:]
+    return {**outs, "resumed": resumed}
+
+
+def test_bf16_one_rank_with_master_weights_takes_the_steps_of_two_fsdp_ranks(runs_bf16):
+    """The one-rank bf16 loop (fp32 masters in the optimiser, bf16 parameters, fp32 gradient sums) computes
+    what FSDP2's mixed precision computes (fp32 shards cast to bf16, gradients reduced in fp32): the same
+    bf16 weights every step, up to fp32 rounding of the update."""
+    one, two = _metrics(runs_bf16["one"]), _metrics(runs_bf16["two"])
+    for a, b in zip(one, two, strict=True):
+        assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"]
+        assert abs(a["loss"] - b["loss"]) <= 2e-3 * abs(b["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-2 * abs(b["grad_norm"]), (a, b)
+    w1, w2 = _weights(runs_bf16["one"]), _weights(runs_bf16["two"])
+    for k in w1:
+        assert w1[k].dtype == w2[k].dtype == torch.bfloat16
+        assert _rel(w1[k], w2[k]) <= 1e-2, k
+
+
+def test_bf16_master_weight_checkpoints_hold_fp32_weights_and_resume_exactly(runs_bf16):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(runs_bf16["one"] / "checkpoints" / "step_00000002")).read_metadata()
+    weights = {k: v for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
+    assert weights and all(v.properties.dtype == torch.float32 for v in weights.values()), weights
+    assert not [k for k in meta.state_dict_metadata if k.endswith(".master")]
+    one, resumed = _metrics(runs_bf16["one"]), _metrics(runs_bf16["resumed"])
+    assert [(m["loss"], m["grad_norm"]) for m in one] == [(m["loss"], m["grad_norm"]) for m in resumed]
+    w1, w2 = _weights(runs_bf16["one"]), _weights(runs_bf16["resumed"])
+    for k in w1:
+        assert torch.equal(w1[k], w2[k]), k
+
+
 def test_metrics_lines(run_two):
     m = _metrics(run_two)[0]
     assert set(m) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_mem_gb"}
@@ -265,6 +319,21 @@ def test_resume_with_other_lr_flags_stops_before_training(capsys, tmp_path, chec
     err = _main_error(capsys, flags[:-2])  # 1 rank x 2 rows: the global batch of 2 ranks x 2 is not kept
     assert "written for --batch-size x ranks x --grad-accum = 4; this run has 2" in err
     assert len(_metrics(out)) == 4
+
+
+def test_a_damaged_checkpoint_is_one_error_line_naming_it(capsys, tmp_path, checkpoint, data, run_two):
+    """torch.distributed.checkpoint raises a BaseException holding whole tracebacks: the CLI names the
+    checkpoint and the missing file in one line instead."""
+    out = tmp_path / "two"
+    shutil.copytree(run_two, out)
+    step = out / "checkpoints" / "step_00000004"
+    for shard in step.glob("*.distcp"):
+        shard.unlink()
+    err = _main_error(capsys, [*_flags(checkpoint, data, out), "--save-every", "2", "--resume",
+                               "--grad-accum", "2"])  # 1 rank x 2 rows x 2: run_two's global batch
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: the checkpoint {step} cannot be read"), err
+    assert ".distcp" in lines[0] and "--overwrite" in lines[0]
 
 
 def _resume_args(**changes):
