@@ -14,14 +14,19 @@ Per element, in fp32, rounded once to each tensor's dtype (torch's decoupled wei
 
 with t the step count after this step. Bytes moved per element: read p, g, m, v; write p, m, v.
 
-Mixed precision (``master_weights=True``): the parameters hold the compute dtype (bf16) and the
-optimiser an fp32 master copy of each (``state["master"]``, moments in fp32 too). The kernel then
-reads the master instead of p and writes both: the master, and p rounded to its dtype (what a
-cast of the fp32 weights before the next forward would give, without that pass). Per element:
-read w, g, m, v; write w, m, v, p. Gradients of several micro-batches are summed in fp32
+Mixed precision (``master_weights=True``): the parameters are bf16 and the optimiser keeps, for
+each, the low 16 bits of its fp32 master (``state["master_lo"]``, int16): the master's bit pattern is
+``(p_bits << 16) + master_lo``, p being the master rounded to nearest-even. So the fp32 weights cost
+2 bytes a parameter beyond the bf16 ones, not 4, and p is exactly what a cast of the fp32 weights
+before the next forward would give (without that pass). When the master's low bits are exactly a
+rounding tie that rounds down (a difference of 2^15, one past int16), the master moves 1 fp32 ulp
+down: a rounding error of the fp32 update, in about one element in 65536. Moments are fp32. Per
+element the kernel reads p, lo, g, m, v and writes p, lo, m, v (24 bytes, against 28 for fp32
+parameters and their gradient). Gradients of several micro-batches are summed in fp32
 (``accumulate_grads_``), and ``clip_grad_norm_`` computes the global norm in fp32 and hands the
-clipping factor to the kernel, which scales g as it reads it (no pass over the gradients). The
-checkpointed state is that of a run with fp32 parameters: see ``master_params``.
+clipping factor to the kernel, which scales g as it reads it (no pass over the gradients).
+``master_params`` gives the fp32 weights (for checkpoints: the same state as a run with fp32
+parameters) and ``load_masters_`` sets them.
 
 The step count and (optionally) the learning rate live on the device, so a step has no host
 synchronisation and can be captured in a CUDA graph (``capturable=True`` is accepted, and needed by
@@ -46,11 +51,12 @@ _WARPS = 8
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, w_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, n, beta1, beta2, log2_beta1,
+def _adamw_kernel(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, n, beta1, beta2, log2_beta1,
                   log2_beta2, eps, weight_decay, LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr,
                   SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """One BLOCK of one parameter: the AdamW update of p (or of its master w, then p = w rounded),
-    m (exp_avg), v (exp_avg_sq) in place; with SCALE, g is multiplied by ``*scale_ptr`` first."""
+    """One BLOCK of one parameter: the AdamW update of p (with MASTER: of the fp32 master held as bf16 p
+    and its int16 low bits), m (exp_avg), v (exp_avg_sq) in place; with SCALE, g is multiplied by
+    ``*scale_ptr`` first."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     t = tl.load(step_ptr).to(tl.float32)  # already incremented for this step
@@ -59,7 +65,9 @@ def _adamw_kernel(p_ptr, w_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr
     bc1 = 1.0 - tl.exp2(t * log2_beta1)
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(t * log2_beta2))
     if MASTER:
-        p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        hi = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True).to(tl.int32)
+        lo = tl.load(lo_ptr + offs, mask=mask, other=0).to(tl.int32)
+        p = ((hi << 16) + lo).to(tl.float32, bitcast=True)
     else:
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -72,18 +80,39 @@ def _adamw_kernel(p_ptr, w_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr
     v = beta2 * v + (1.0 - beta2) * g * g
     p = p - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
     if MASTER:
-        tl.store(w_ptr + offs, p, mask=mask)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
+        bits = p.to(tl.int32, bitcast=True)
+        hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even, on the bit pattern
+        lo = bits - (hi << 16)
+        lo = tl.where(lo == 32768, 32767, lo)  # a tie rounded down: the master moves 1 ulp down (see above)
+        tl.store(p_ptr + offs, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+        tl.store(lo_ptr + offs, lo.to(tl.int16), mask=mask)
+    else:
+        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
 
 
+def join_master(param: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a bf16 ``param`` and its int16 low bits (a new tensor)."""
+    hi = param.detach().view(torch.int16).to(torch.int32)
+    return ((hi << 16) + lo.to(torch.int32)).view(torch.float32)
+
+
+def split_master(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 ``w`` rounded to nearest even, int16 low bits) of fp32 ``w``, as the kernel stores them."""
+    bits = w.detach().contiguous().view(torch.int32)
+    hi = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    lo = bits - (hi << 16)
+    lo = torch.where(lo == 32768, 32767, lo)
+    return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
+
+
 def adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                      step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
-                     weight_decay: float, master: torch.Tensor | None = None,
+                     weight_decay: float, master_lo: torch.Tensor | None = None,
                      grad_scale: torch.Tensor | None = None) -> None:
     """The kernel's arithmetic in PyTorch (fp32; the CPU path of master-weight and scaled steps)."""
-    w = master if master is not None else param.float()
+    w = join_master(param, master_lo) if master_lo is not None else param.float()
     g = grad.float() if grad_scale is None else grad.float() * grad_scale
     m, v = exp_avg.float(), exp_avg_sq.float()
     t = step.float()
@@ -91,7 +120,13 @@ def adamw_reference_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     m.add_((1.0 - beta1) * (g - m))
     v.mul_(beta2).add_((1.0 - beta2) * g * g)
     w.sub_((lr / (1.0 - beta1 ** t)) * m / (v.sqrt() / (1.0 - beta2 ** t).sqrt() + eps))
-    for dst, src in ((exp_avg, m), (exp_avg_sq, v), (param, w)):
+    if master_lo is not None:
+        hi, lo = split_master(w)
+        param.copy_(hi.view_as(param))
+        master_lo.copy_(lo.view_as(master_lo))
+    else:
+        param.copy_(w)
+    for dst, src in ((exp_avg, m), (exp_avg_sq, v)):
         if dst is not src:
             dst.copy_(src)
 
@@ -142,18 +177,19 @@ def _check_layout(param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, master: torch.Tensor | None = None,
+                  weight_decay: float, master_lo: torch.Tensor | None = None,
                   grad_scale: torch.Tensor | None = None) -> None:
     """Apply one AdamW update in place to ``param``, ``exp_avg``, ``exp_avg_sq`` (one shape, dense, equal
-    strides; ``grad`` and ``master`` too).
+    strides; ``grad`` and ``master_lo`` too).
 
     ``step``: a 0-dim float tensor on the parameter's device holding the step count *after* this update
     (1 on the first). ``lr``: a float, or a 0-dim tensor on the device (read by the kernel).
-    ``master``: the fp32 master of a low-precision ``param``: updated, and ``param`` set to it rounded.
+    ``master_lo``: the int16 low bits of a bf16 ``param``'s fp32 master: the master is updated, ``param``
+    set to it rounded to nearest even and ``master_lo`` to the rest.
     ``grad_scale``: a 0-dim fp32 tensor on the device multiplying the gradient (gradient clipping).
     """
     p, g, m, v = (_flat(_local(t)) for t in (param, grad, exp_avg, exp_avg_sq))
-    w = _flat(_local(master)) if master is not None else p
+    lo = _flat(_local(master_lo)) if master_lo is not None else p
     n = p.numel()
     if n == 0:
         return
@@ -163,9 +199,9 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                          "put the lr on the parameters' device")
     step = _local(step)
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-        p, w, g, m, v, step, lr if on_device else step, step if grad_scale is None else grad_scale,
+        p, lo, g, m, v, step, lr if on_device else step, step if grad_scale is None else grad_scale,
         0.0 if on_device else float(lr), n, beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-        LR_ON_DEVICE=on_device, MASTER=master is not None, SCALE=grad_scale is not None, BLOCK=_BLOCK,
+        LR_ON_DEVICE=on_device, MASTER=master_lo is not None, SCALE=grad_scale is not None, BLOCK=_BLOCK,
         num_warps=_WARPS)
 
 
@@ -177,9 +213,9 @@ class AdamW(torch.optim.AdamW):
     ``differentiable`` (the kernel implements plain AdamW). State per parameter: ``step`` (0-dim float32 on
     the parameter's device), ``exp_avg``, ``exp_avg_sq`` (the parameter's shape and dtype), as torch's.
 
-    ``master_weights=True``: low-precision parameters get an fp32 ``master`` in their state and fp32
-    moments (see the module docstring); :meth:`init_master_weights_` makes them from fp32 parameters
-    and then casts those to the compute dtype, so no precision is lost at the start.
+    ``master_weights=True``: bf16 parameters get the low bits of an fp32 master in their state
+    (``master_lo``) and fp32 moments (see the module docstring); :meth:`init_master_weights_` makes the
+    masters from fp32 parameters and casts those to bf16, so no precision is lost at the start.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -191,6 +227,11 @@ class AdamW(torch.optim.AdamW):
                              "use torch.optim.AdamW for those")
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=capturable)
         self.master_weights = master_weights
+        if master_weights:
+            other = sorted({str(p.dtype) for p in self._params() if p.dtype not in (torch.float32, torch.bfloat16)})
+            if other:
+                raise ValueError(f"kernels.AdamW(master_weights=True) keeps fp32 masters of bf16 parameters only; "
+                                 f"got {other}")
         self._grad_scale: torch.Tensor | None = None  # set by clip_grad_norm_, used by the next step
 
     # ------------------------------------------------------------------------------ mixed precision
@@ -198,34 +239,50 @@ class AdamW(torch.optim.AdamW):
         return [p for group in self.param_groups for p in group["params"]]
 
     def _has_master(self, p: torch.Tensor) -> bool:
-        return self.master_weights and p.dtype != torch.float32 and p.is_floating_point()
+        return self.master_weights and p.dtype == torch.bfloat16
 
-    def _master(self, p: torch.Tensor) -> torch.Tensor:
+    def _master_lo(self, p: torch.Tensor) -> torch.Tensor:
+        """The int16 low bits of p's master (zeros, the master being p itself, unless set)."""
         state = self.state[p]
-        if "master" not in state:  # from the parameter itself (init_master_weights_ keeps fp32 values instead)
-            state["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
-        return state["master"]
+        if "master_lo" not in state:
+            state["master_lo"] = torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+        return state["master_lo"]
 
     @torch.no_grad()
-    def init_master_weights_(self, dtype: torch.dtype) -> None:
-        """Take each fp32 parameter as its own master and cast the parameter to ``dtype`` (plain tensors,
-        not DTensors: the parameter's storage is replaced, the Parameter object kept)."""
+    def init_master_weights_(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Take each fp32 parameter as its master: the parameter becomes bf16 (its storage replaced, the
+        Parameter object kept; plain tensors, not DTensors) and its state keeps the remaining bits."""
+        if dtype != torch.bfloat16:
+            raise ValueError(f"master weights are kept for bf16 parameters only, not {dtype}")
         self.master_weights = True
         for p in self._params():
-            if p.dtype == torch.float32 and dtype != torch.float32:
-                self.state[p]["master"] = p.detach().clone(memory_format=torch.preserve_format)
-                p.data = p.data.to(dtype)
-
-    def master_params(self) -> dict[torch.Tensor, torch.Tensor]:
-        """parameter -> the fp32 tensor that holds its value (its master, or itself when fp32)."""
-        return {p: self._master(p) if self._has_master(p) else p for p in self._params()}
+            if p.dtype == torch.float32:
+                hi, lo = split_master(p.data)
+                p.data = hi.view(p.shape)
+                self.state[p]["master_lo"] = lo.view(p.shape)
 
     @torch.no_grad()
-    def copy_masters_to_params_(self) -> None:
-        """Set each parameter to its master rounded to its dtype (after the masters were loaded)."""
+    def master_params(self, device: torch.device | str | None = None) -> dict[torch.Tensor, torch.Tensor]:
+        """parameter -> its fp32 weights (a new tensor, on ``device`` if given, for a bf16 parameter with a
+        master; the parameter itself otherwise)."""
+        out = {}
         for p in self._params():
             if self._has_master(p):
-                p.copy_(self._master(p))
+                w = join_master(p, self._master_lo(p))
+                out[p] = w if device is None else w.to(device)
+            else:
+                out[p] = p
+        return out
+
+    @torch.no_grad()
+    def load_masters_(self, weights: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Set the fp32 masters (parameter -> fp32 weights): each parameter becomes its weights rounded
+        to bf16, its ``master_lo`` the rest."""
+        for p, w in weights.items():
+            if self._has_master(p):
+                hi, lo = split_master(w.to(p.device, torch.float32))
+                p.copy_(hi.view(p.shape))
+                self._master_lo(p).copy_(lo.view(p.shape))
 
     @torch.no_grad()
     def accumulate_grads_(self) -> None:
@@ -268,16 +325,18 @@ class AdamW(torch.optim.AdamW):
         super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, keeping fp32 state fp32 (torch casts every state tensor to its parameter's dtype), and
-        the current masters where the loaded state has none (a checkpoint keeps them as the model's weights)."""
+        """torch's, keeping the fp32 moments of bf16 parameters fp32 and ``master_lo`` int16 (torch casts every
+        state tensor to its parameter's dtype), and the current ``master_lo`` where the loaded state has none
+        (a checkpoint keeps the masters as the model's weights: see ``master_params``)."""
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         kept = {}
         for saved_id, p in zip(saved_ids, self._params(), strict=False):
+            if not self._has_master(p):
+                continue
             state = state_dict["state"].get(saved_id, {})
-            kept[p] = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step"
-                       and v.dtype == torch.float32 and self._has_master(p)}
-            if "master" not in kept[p] and "master" in self.state.get(p, {}):
-                kept[p]["master"] = self.state[p]["master"]
+            kept[p] = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
+            if "master_lo" not in kept[p] and "master_lo" in self.state.get(p, {}):
+                kept[p]["master_lo"] = self.state[p]["master_lo"]
         super().load_state_dict(state_dict)
         for p, tensors in kept.items():
             for k, v in tensors.items():
@@ -309,18 +368,20 @@ class AdamW(torch.optim.AdamW):
                 state, grad = self.state[p], self._grad(p)
                 grad = grad if grad.stride() == p.stride() else torch.empty_like(p, dtype=grad.dtype).copy_(grad)
                 adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
-                              group["eps"], group["weight_decay"], master=state.get("master"), grad_scale=scale)
+                              group["eps"], group["weight_decay"], master_lo=state.get("master_lo"),
+                              grad_scale=scale)
         return loss
 
     def _init_state(self, p: torch.Tensor) -> None:
-        """torch's layout: step on the device (as with capturable), moments like p (like its master)."""
+        """torch's layout: step on the device (as with capturable), moments like p (fp32 for a master's)."""
         state = self.state[p]
-        master = self._master(p) if self._has_master(p) else None
+        if self._has_master(p):
+            self._master_lo(p)
         if "step" not in state:
-            like = p if master is None else master
+            dtype = torch.float32 if self._has_master(p) else None
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         elif state["step"].device != p.device:  # a state dict loaded from torch's AdamW keeps it on the CPU
             state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
@@ -369,4 +430,5 @@ class AdamW(torch.optim.AdamW):
                 adamw_reference_(_local(p), _local(self._grad(p)), _local(state["exp_avg"]),
                                  _local(state["exp_avg_sq"]), _local(state["step"]), lr, beta1, beta2, group["eps"],
                                  group["weight_decay"],
-                                 master=_local(state["master"]) if "master" in state else None, grad_scale=scale)
+                                 master_lo=_local(state["master_lo"]) if "master_lo" in state else None,
+                                 grad_scale=scale)

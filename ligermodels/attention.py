@@ -66,22 +66,70 @@ class AttentionMask:
         """FlexAttention BlockMask for this window and these documents (CUDA)."""
         key = ("flex", window)
         if key not in self.cache:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            doc = self.document_ids
-            win = window
-
-            def mask_mod(b, h, q, k):
-                ok = k <= q
-                if win is not None:
-                    ok = ok & (q - k < win)
-                if doc is not None:
-                    ok = ok & (doc[b, q] == doc[b, k])
-                return ok
-
-            b = batch if doc is not None else None
-            self.cache[key] = create_block_mask(mask_mod, b, None, self.seq_len, self.seq_len, device=device)
+            self.cache[key] = document_block_mask(self.document_ids, window, self.seq_len, batch, device)
         return self.cache[key]
+
+
+#: FlexAttention's block size (queries and keys).
+FLEX_BLOCK = 128
+
+
+def document_block_mask(document_ids: torch.Tensor | None, window: int | None, seq_len: int, batch: int,
+                        device: torch.device):
+    """The FlexAttention BlockMask of causal attention within documents and a window, built from block
+    bounds instead of evaluating the mask at every (query, key) pair as ``create_block_mask`` does
+    (6 ms a forward at 4 x 2048 tokens on an H100, against a few small kernels here).
+
+    Document ids never decrease along a row (:func:`ligermodels.model.document_ids_from_positions`), so a
+    block of 128 positions spans the documents ``first .. last``. A (query block i, key block j) pair holds
+    an allowed pair when ``j <= i``, the key block's last document reaches the query block's first, and the
+    nearest pair lies inside the window; every pair is allowed ("full": the mask is not evaluated) when
+    ``j < i``, both blocks lie in one and the same document and the farthest pair lies inside the window
+    (and neither is a last block cut short by ``seq_len``).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    doc, win = document_ids, window
+
+    def mask_mod(b, h, q, k):
+        ok = k <= q
+        if win is not None:
+            ok = ok & (q - k < win)
+        if doc is not None:
+            ok = ok & (doc[b, q] == doc[b, k])
+        return ok
+
+    n = -(-seq_len // FLEX_BLOCK)
+    i = torch.arange(n, device=device)
+    qi, kj = i[:, None], i[None, :]
+    some = kj <= qi  # (n, n): causal
+    whole = (i + 1) * FLEX_BLOCK <= seq_len  # a last block cut short is never full (as create_block_mask)
+    full = (kj < qi) & whole[:, None] & whole[None, :]
+    if win is not None:
+        some = some & ((qi - kj - 1) * FLEX_BLOCK + 1 < win)  # nearest pair: last key of j, first query of i
+        full = full & ((qi - kj + 1) * FLEX_BLOCK - 1 < win)  # farthest pair: first key of j, last query of i
+    if doc is None:
+        some, full = some[None], full[None]
+    else:
+        pad = n * FLEX_BLOCK - seq_len  # a last, partial block repeats its last document
+        d = torch.nn.functional.pad(doc, (0, pad), mode="replicate") if pad else doc
+        d = d.view(doc.shape[0], n, FLEX_BLOCK)
+        first, last = d[..., 0], d[..., -1]  # (B, n)
+        some = some & (last[:, None, :] >= first[:, :, None])
+        one = first == last
+        full = full & one[:, :, None] & one[:, None, :] & (first[:, :, None] == first[:, None, :])
+    partial = some & ~full
+
+    def blocks(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(count, indices) per query block, the set key blocks first, as BlockMask takes them."""
+        m = m[:, None].expand(batch if doc is not None else 1, 1, n, n)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)
+        return m.sum(-1, dtype=torch.int32), order.to(torch.int32)
+
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(seq_len, seq_len))
 
 
 _BACKEND_NAMES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,

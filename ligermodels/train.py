@@ -97,7 +97,8 @@ class TrainError(RuntimeError):
 #: Defaults shared by every run; then those of the demo or of a run on ``--model`` / ``--data``.
 COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=1.0,
                        seed=0, ac="none", keep_checkpoints=3, resume=False, overwrite=False,
-                       from_scratch=False, loss_strategy="tokens", profile=False)
+                       from_scratch=False, loss_strategy="tokens", profile=False,
+                       attention="documents")
 DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20, save_every=200,
                      log_every=50)
 RUN_DEFAULTS = dict(out=None, seq_len=None, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500,
@@ -137,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--loss-strategy", choices=("tokens", "vocab"),
       help="loss head (kernels.fused_linear_cross_entropy): tokens = fastest; vocab = one more GEMM, "
            "no fp32 (vocab, hidden) weight-gradient buffer (less memory for large vocabularies)")
+    a("--attention", choices=("documents", "causal"),
+      help="documents: a token attends within its own document of the packed row; causal: across the "
+           "whole row (as transformers' SDPA path without position ids)")
     a("--dtype", choices=("bf16", "fp32"), help="compute dtype (master weights are fp32); default bf16 on cuda")
     a("--device", choices=("cuda", "cpu"), help="default cuda when present (NCCL), else cpu (gloo)")
     a("--log-every", type=int, help="print a progress line every N steps (metrics.jsonl gets every step)")
@@ -545,11 +549,11 @@ def checkpoint_state(model: CausalLM, optimizer: AdamW) -> dict:
     rank, bf16) the masters stand in for the bf16 parameters (and leave the optimiser's entries), so a
     checkpoint is the same on any number of ranks and resumes on any other."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    masters = {p.data_ptr(): w for p, w in optimizer.master_params().items() if w is not p}
-    if masters:
+    if optimizer.master_weights:  # fp32 weights joined on the host (no device memory), low bits left out
+        masters = {p.data_ptr(): w for p, w in optimizer.master_params(device="cpu").items() if w is not p}
         model_sd = {name: masters.get(t.data_ptr(), t) for name, t in model_sd.items()}
-        for entry in optim_sd["state"].values():
-            entry.pop("master", None)
+        optim_sd["state"] = {name: {k: v for k, v in entry.items() if k != "master_lo"}  # (the live dicts: copies)
+                             for name, entry in optim_sd["state"].items()}
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -568,9 +572,11 @@ def load_checkpoint(path: str, model: CausalLM, optimizer: torch.optim.Optimizer
     except CheckpointException as e:
         raise TrainError(f"the checkpoint {path} cannot be read ({_failures(e)}): it is damaged; delete it to "
                          "--resume from the previous one, or start again with --overwrite") from None
-    if optimizer.master_weights:  # the fp32 weights were loaded into the masters: round them into the model
+    if optimizer.master_weights:  # the fp32 weights (loaded on the host) become the bf16 weights and low bits
         set_optimizer_state_dict(model, optimizer, state["optim"])
-        optimizer.copy_masters_to_params_()
+        params = {p.data_ptr(): p for p in model.parameters()}  # the state dict's tensors share their storage
+        optimizer.load_masters_({params[t.data_ptr()]: state["model"][name]
+                                 for name, t in get_model_state_dict(model).items() if t.data_ptr() in params})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_path = os.path.join(path, f"rng_rank{rank:05d}.pt")
@@ -851,8 +857,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         loss_sum = torch.zeros((), device=device)
         for input_ids, labels, positions in micro:
             input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
+            documents = document_ids_from_positions(positions) if args.attention == "documents" else None
             loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
-                              document_ids=document_ids_from_positions(positions), strategy=args.loss_strategy)
+                              document_ids=documents, strategy=args.loss_strategy)
             (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
             loss_sum += loss.detach()
             if args.grad_accum > 1:

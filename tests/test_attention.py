@@ -107,3 +107,48 @@ def test_unknown_backend_in_env_is_rejected_with_its_name():
 def test_backend_order_is_parsed_from_the_env_spelling():
     assert attention._sdpa_backends("flash, math") == [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
                                                        torch.nn.attention.SDPBackend.MATH]
+
+
+def _block_sets(bm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial, full) dense (B, nq, nkv) bool block maps of a FlexAttention BlockMask."""
+    def dense(num, idx):
+        b, _, nq, nkv = idx.shape
+        out = torch.zeros(b, nq, nkv, dtype=torch.bool)
+        for bi in range(b):
+            for q in range(nq):
+                out[bi, q, idx[bi, 0, q, :num[bi, 0, q]].long()] = True
+        return out
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+@pytest.mark.parametrize("seq, window", [(1000, None), (1000, 300), (384, 129), (640, None)])
+def test_document_block_mask_equals_flex_attentions_own(seq, window):
+    """The block mask built from block bounds holds the same partial and full blocks as create_block_mask
+    evaluating the mask at every pair, for random documents, windows and a last partial block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ligermodels.attention import document_block_mask
+    from ligermodels.model import document_ids_from_positions
+
+    g = torch.Generator().manual_seed(seq + (window or 0))
+    rows = []
+    for _ in range(3):
+        row = []
+        while len(row) < seq:
+            row += list(range(int(torch.randint(1, 400, (1,), generator=g))))
+        rows.append(row[:seq])
+    rows[0] = list(range(seq))  # one document filling the row
+    doc = document_ids_from_positions(torch.tensor(rows))
+    for d in (doc, None):
+        def mask_mod(b, h, q, k, d=d):
+            ok = k <= q
+            if window is not None:
+                ok = ok & (q - k < window)
+            if d is not None:
+                ok = ok & (d[b, q] == d[b, k])
+            return ok
+
+        theirs = create_block_mask(mask_mod, 3 if d is not None else None, None, seq, seq, device="cpu")
+        ours = document_block_mask(d, window, seq, 3, torch.device("cpu"))
+        for a, b, what in zip(_block_sets(ours), _block_sets(theirs), ("partial", "full"), strict=True):
+            assert torch.equal(a, b), (what, d is None)
