@@ -663,6 +663,10 @@ class StepProfiler:
                   ("ligermodels kernels", r"_rms_norm|_rope|_glu|_ce_|_flce|_scale_cast"),
                   ("copies and casts", r"copy|cast|cat|fill|zero"))
 
+    #: Host calls that block until the device catches up (a copy from pageable memory, a read of a device value).
+    WAITS = ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+             "aten::nonzero", "aten::item", "aten::_local_scalar_dense", "aten::index")
+
     def __init__(self, enabled: bool, steps: int, first: int = 5, count: int = 2):
         first = min(first, max(0, steps - count))
         self.steps = range(first + 1, min(first + count, steps) + 1) if enabled else range(0)
@@ -674,7 +678,7 @@ class StepProfiler:
             from torch.profiler import ProfilerActivity, profile
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            self.prof = profile(activities=activities)
+            self.prof = profile(activities=activities, with_stack=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             self.prof.__enter__()
@@ -719,9 +723,24 @@ class StepProfiler:
         lines += ["", "Top 30 GPU kernels (ms/step):"]
         lines += [f"{ms:9.3f}  {k[:120]}" for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]]
         lines += ["", "Top 30 host ops by self CPU time (ms/step):"]
-        host = sorted((e for e in self.prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+        host = sorted((e for e in self.prof.key_averages()
+                       if e.device_type == torch.autograd.DeviceType.CPU and ".py(" not in e.key),
                       key=lambda e: -e.self_cpu_time_total)[:30]
         lines += [f"{e.self_cpu_time_total / n / 1e3:9.3f}  {e.count // n:6d}x  {e.key[:100]}" for e in host]
+        lines += ["", "Host calls that can wait for the device, by Python caller (ms/step):"]
+        waits: dict[tuple[str, ...], list[float]] = {}
+        for e in self.prof.events():
+            if e.name in self.WAITS:
+                frames, parent = [], e.cpu_parent
+                while parent is not None and len(frames) < 4:
+                    if ".py(" in parent.name:
+                        frames.append(parent.name)
+                    parent = parent.cpu_parent
+                entry = waits.setdefault((e.name, *frames), [0.0, 0])
+                entry[0] += e.self_cpu_time_total / n / 1e3
+                entry[1] += 1
+        for (name, *frames), (ms, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:12]:
+            lines.append(f"{ms:9.3f}  {count // n:6d}x  {name}  <- {' <- '.join(frames)}")
         return "\n".join(lines) + "\n"
 
 
@@ -851,7 +870,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         profiler.before(step + 1, device)
         micro = [rows.rows(rows_consumed + (m * world + rank) * args.batch_size, args.batch_size)
                  for m in range(args.grad_accum)]
-        n_tokens = torch.tensor(sum(count_loss_tokens(labels) for _, labels, _ in micro), device=device)
+        n_tokens = to_device(torch.tensor(sum(count_loss_tokens(labels) for _, labels, _ in micro)), device)
         dist.all_reduce(n_tokens)  # tokens with a label in the whole global batch
         num_items = n_tokens.clamp(min=1)
         loss_sum = torch.zeros((), device=device)
