@@ -39,7 +39,33 @@ PHI3 = {
     "layers.{i}.mlp.gate_up.weight": (f"{_L}.mlp.gate_up_proj.weight",),
 }
 
-KEYMAPS = {"standard": STANDARD, "phi3": PHI3}
+# Qwen3: an RMSNorm over each q and k head.
+_QK_NORMS = {
+    "layers.{i}.attn.q_norm.weight": (f"{_L}.self_attn.q_norm.weight",),
+    "layers.{i}.attn.k_norm.weight": (f"{_L}.self_attn.k_norm.weight",),
+}
+QWEN3 = {**STANDARD, **_QK_NORMS}
+
+# Gemma 2: "sandwich" norms; the MLP's input norm is pre_feedforward_layernorm, post_attention_layernorm
+# normalises the attention output.
+GEMMA2 = {
+    **STANDARD,
+    "layers.{i}.post_attn_norm.weight": (f"{_L}.post_attention_layernorm.weight",),
+    "layers.{i}.mlp_norm.weight": (f"{_L}.pre_feedforward_layernorm.weight",),
+    "layers.{i}.post_mlp_norm.weight": (f"{_L}.post_feedforward_layernorm.weight",),
+}
+GEMMA3 = {**GEMMA2, **_QK_NORMS}
+
+# GLM-4: post_attention_layernorm is the MLP's input norm, as in Llama; two more norms on the block outputs;
+# gate_up_proj fused as Phi-3's.
+GLM4 = {
+    **STANDARD,
+    "layers.{i}.post_attn_norm.weight": (f"{_L}.post_self_attn_layernorm.weight",),
+    "layers.{i}.post_mlp_norm.weight": (f"{_L}.post_mlp_layernorm.weight",),
+    "layers.{i}.mlp.gate_up.weight": (f"{_L}.mlp.gate_up_proj.weight",),
+}
+
+KEYMAPS = {"standard": STANDARD, "phi3": PHI3, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3, "glm4": GLM4}
 
 #: Sizes along dim 0 of the parts of a fused native tensor, by the native module it belongs to.
 PART_SIZES: dict[str, Callable[[DecoderConfig], list[int]]] = {
