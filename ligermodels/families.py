@@ -395,16 +395,32 @@ def config_to_hf(config: DecoderConfig) -> dict:
         "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_embeddings,
         "attention_dropout": c.attention_dropout, "pad_token_id": c.pad_token_id, **c.rope.to_hf(),
     }
-    if c.model_type in ("llama", "gemma"):
+    layer_types = ["full_attention" if w is None else "sliding_attention" for w in c.layer_windows]
+    if c.model_type in ("llama", "gemma", "qwen3", "gemma2", "gemma3_text", "glm4"):
         d["attention_bias"] = c.qkv_bias
     if c.model_type == "llama":
         d["mlp_bias"] = c.mlp_bias
     if c.model_type in ("mistral", "phi3"):
         d["sliding_window"] = c.sliding_window
-    if c.model_type == "qwen2":
+    if c.model_type in ("qwen2", "qwen3"):
         d["use_sliding_window"] = c.sliding_window is not None
         d["sliding_window"] = c.sliding_window
-        d["layer_types"] = ["full_attention" if w is None else "sliding_attention" for w in c.layer_windows]
+        d["layer_types"] = layer_types
+    if c.model_type == "glm4":  # its transformers config defaults the factor to 0.5: always written
+        d["partial_rotary_factor"] = c.rope.partial_rotary_factor
+    if c.model_type in ("gemma2", "gemma3_text"):
+        del d["hidden_act"]
+        d["hidden_activation"] = act
+        d["sliding_window"] = c.sliding_window
+        d["layer_types"] = layer_types
+        d["query_pre_attn_scalar"] = _pre_attn_scalar(c)
+        d["final_logit_softcapping"] = c.final_softcap
+        d["attn_logit_softcapping"] = c.attn_softcap
+    if c.model_type == "gemma3_text":  # v5 layout: one rope dict per layer type
+        for key in ("rope_theta", "rope_scaling", "original_max_position_embeddings"):
+            d.pop(key, None)
+        d["rope_parameters"] = {"full_attention": _rope_parameters(c.rope),
+                                "sliding_attention": _rope_parameters(c.local_rope or c.rope)}
     for key in _CARRIED_TOKEN_IDS:
         tok = c.hf_config.get(key)
         if isinstance(tok, int) and 0 <= tok < c.vocab_size or (
@@ -414,6 +430,22 @@ def config_to_hf(config: DecoderConfig) -> dict:
         raise UnsupportedConfigError(f"this config cannot be written as an HF {c.model_type!r} config.json "
                                      f"(it differs from what that family can express): {c}")
     return d
+
+
+def _pre_attn_scalar(c: DecoderConfig) -> float | int:
+    """Gemma's query_pre_attn_scalar q for the config's attention scale (q ** -0.5), an int when it is one."""
+    if c.attn_scale is None:
+        return c.head_dim
+    q = c.attn_scale ** -2
+    return round(q) if abs(q - round(q)) <= 1e-9 * q and round(q) ** -0.5 == c.attn_scale else q
+
+
+def _rope_parameters(r: RopeConfig) -> dict:
+    """One v5 ``rope_parameters`` dict (rope_type, rope_theta and the type's scaling fields) of ``r``."""
+    out = r.to_hf()
+    params = dict(out["rope_scaling"] or {"rope_type": "default"})
+    params["rope_theta"] = r.theta
+    return params
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",

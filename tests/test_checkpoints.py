@@ -75,7 +75,9 @@ def test_missing_directory_and_offline_repo_id_are_named(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("field,value,family", [
     ("resid_pdrop", 0.1, "phi3"), ("hidden_act", "relu", "llama"), ("use_bidirectional_attention", True, "gemma"),
-    ("partial_rotary_factor", 0.5, "phi3"), ("layer_types", ["sliding_attention"], "qwen2"),
+    ("partial_rotary_factor", 0.5, "llama"), ("layer_types", ["sliding_attention"], "qwen2"),
+    ("layer_types", ["chunked_attention"], "qwen3"), ("use_bidirectional_attention", True, "gemma3_text"),
+    ("partial_rotary_factor", 0.5, "gemma2"),
 ])
 def test_math_changing_config_fields_are_refused_by_name(field, value, family):
     cfg = dict(model_type=family, vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
