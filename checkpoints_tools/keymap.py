@@ -65,7 +65,21 @@ GLM4 = {
     "layers.{i}.mlp.gate_up.weight": (f"{_L}.mlp.gate_up_proj.weight",),
 }
 
-KEYMAPS = {"standard": STANDARD, "phi3": PHI3, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3, "glm4": GLM4}
+
+def _prefixed(table: dict[str, tuple[str, ...]], model: str, head: str) -> dict[str, tuple[str, ...]]:
+    """``table`` with ``model.`` replaced by ``model`` and ``lm_head.`` by ``head`` (a tower of a larger model)."""
+    def rename(name: str) -> str:
+        return model + name[len("model."):] if name.startswith("model.") else head + name[len("lm_head."):]
+
+    return {native: tuple(rename(p) for p in parts) for native, parts in table.items()}
+
+
+# Gemma 3 image-text checkpoints (Gemma3ForConditionalGeneration, as transformers 5 saves them): the language
+# model under language_model.*; the vision tower and projector are skipped (the family's ``skipped``).
+GEMMA3_MULTIMODAL = _prefixed(GEMMA3, "language_model.model.", "language_model.lm_head.")
+
+KEYMAPS = {"standard": STANDARD, "phi3": PHI3, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3, "glm4": GLM4,
+           "gemma3_multimodal": GEMMA3_MULTIMODAL}
 
 #: Sizes along dim 0 of the parts of a fused native tensor, by the native module it belongs to.
 PART_SIZES: dict[str, Callable[[DecoderConfig], list[int]]] = {

@@ -331,10 +331,30 @@ class Family:
     reader: Callable[[dict], DecoderConfig]  # reads a config.json dict that holds the family's defaults
     cls: type[CausalLM]
     keymap: str = "standard"
+    #: Multimodal checkpoints: the ``model_type`` of the language model in ``text_config`` (read as that
+    #: family; the model saves back as a text-only checkpoint of it), and a regex of the checkpoint tensors
+    #: that belong to other towers and are skipped on load (named in a warning).
+    text_family: str | None = None
+    skipped: str | None = None
+    #: text_config fields the multimodal model's transformers code overrides (or ignores), as (name, value).
+    text_overrides: tuple[tuple[str, object], ...] = ()
 
     def read_config(self, d: dict) -> DecoderConfig:
         """The DecoderConfig of an HF config.json dict: the fields it omits take the family's transformers
-        defaults (HF_DEFAULTS), and the dict as given is kept as ``hf_config`` (written back by save_hf)."""
+        defaults (HF_DEFAULTS), and the dict as given is kept as ``hf_config`` (written back by save_hf).
+        A multimodal family reads its ``text_config`` as ``text_family`` and keeps that as ``hf_config``."""
+        if self.text_family is not None:
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise UnsupportedConfigError(f"{self.model_type}: config.json lacks a text_config object")
+            inner = {**text, "model_type": self.text_family, "architectures": [_ARCH[self.text_family]],
+                     **dict(self.text_overrides)}
+            if "tie_word_embeddings" in d:  # the outer config's decides, in transformers
+                inner["tie_word_embeddings"] = d["tie_word_embeddings"]
+            for key in _CARRIED_TOKEN_IDS:
+                if key in d and key not in text:
+                    inner[key] = d[key]
+            return FAMILIES[self.text_family].read_config(inner)
         return self.reader(_with_defaults(d, self.model_type)).replace(hf_config=dict(d))
 
 
@@ -347,6 +367,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", qwen3_config, LigerQwen3, keymap="qwen3"),
     "gemma2": Family("gemma2", gemma2_config, LigerGemma2, keymap="gemma2"),
     "gemma3_text": Family("gemma3_text", gemma3_config, LigerGemma3, keymap="gemma3"),
+    # Gemma 3 image-text checkpoints: the language model loads (saved back as gemma3_text); the SigLIP vision
+    # tower and the projector are skipped.
+    "gemma3": Family("gemma3", gemma3_config, LigerGemma3, keymap="gemma3_multimodal", text_family="gemma3_text",
+                     skipped=r"^(model\.)?(vision_tower|multi_modal_projector)\.",
+                     # Gemma3ForConditionalGeneration never soft-caps its logits (Gemma3ForCausalLM does)
+                     text_overrides=(("final_logit_softcapping", None),)),
     "glm4": Family("glm4", glm4_config, LigerGlm4, keymap="glm4"),
 }
 

@@ -231,3 +231,60 @@ def test_new_family_saves_back_bit_for_bit_and_writes_its_config_from_fields(cas
     ids, _ = _batch(hf.config.vocab_size)
     with torch.no_grad():
         assert rel_err(back(input_ids=ids).logits, hf(input_ids=ids).logits) <= 1e-6
+
+
+def _gemma3_multimodal_checkpoint(directory: str, tie: bool = True):
+    """A tiny random Gemma 3 image-text checkpoint (Gemma3ForConditionalGeneration); returns the fp32 HF model."""
+    text = dict(SMALL, head_dim=24, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                pad_token_id=0, query_pre_attn_scalar=20, final_logit_softcapping=3.0)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       boi_token_index=97, eoi_token_index=98, image_token_index=99,
+                                       tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(directory)
+    return model.eval()
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_gemma3_image_text_checkpoint_loads_its_language_model(tie, tmp_path):
+    """A gemma3 (image-text) checkpoint loads as LigerGemma3: the language model matches transformers' logits
+    on text, the vision tower and projector are skipped with a warning naming them, and save_hf writes a
+    gemma3_text checkpoint that transformers loads as Gemma3ForCausalLM with the same logits."""
+    from ligermodels import LigerGemma3
+
+    hf = _gemma3_multimodal_checkpoint(str(tmp_path / "src"), tie)
+    with pytest.warns(UserWarning, match="only its language model loads.*(vision_tower|multi_modal_projector)"):
+        ours = LigerGemma3.from_hf(str(tmp_path / "src"), dtype=torch.float32, device=DEVICE)
+    assert ours.config.model_type == "gemma3_text" and ours.config.tie_embeddings == tie
+    ids, _ = _batch(101)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+        assert rel_err(ours(ids.to(DEVICE)), ref) <= 1e-4
+    ours.save_hf(str(tmp_path / "text"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "text"), attn_implementation="eager")
+    assert type(back).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        assert rel_err(back.eval()(input_ids=ids).logits, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("case", ["qwen3_tied_sliding_bias", "phi3_partial_rotary", "gemma2_tied_softcap_sliding",
+                                  "gemma3_tied_two_ropes", "glm4_bias_untied", "gemma3_image_text"])
+def test_verify_command_passes_for_the_new_families(case, tmp_path):
+    import subprocess
+    import sys
+
+    if case == "gemma3_image_text":
+        _gemma3_multimodal_checkpoint(str(tmp_path))
+    else:
+        make_hf_checkpoint(case, str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "checkpoints_tools", "verify", str(tmp_path), "--device", "cpu"],
+                         capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    err = float(out.stdout.split("relative error vs transformers")[1].split(":")[1])
+    assert err < 1e-4, out.stdout
