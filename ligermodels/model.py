@@ -29,6 +29,8 @@ class CausalLM(nn.Module):
     ``layers.{i}.attn.qkv.{weight,bias}`` ((Hq+2*Hkv)*D, H), ``layers.{i}.attn.o.weight`` (H, Hq*D),
     ``layers.{i}.mlp_norm.weight``, ``layers.{i}.mlp.gate_up.weight`` (2*I, H),
     ``layers.{i}.mlp.down.weight`` (H, I); ``norm.weight`` (H,); ``head.weight`` (V, H) unless tied.
+    With ``qk_norm``: ``layers.{i}.attn.q_norm.weight``, ``layers.{i}.attn.k_norm.weight`` (D,); with
+    ``post_norms``: ``layers.{i}.post_attn_norm.weight``, ``layers.{i}.post_mlp_norm.weight`` (H,).
     """
 
     def __init__(self, config: DecoderConfig):
