@@ -210,6 +210,7 @@ def test_new_family_saves_back_bit_for_bit_and_writes_its_config_from_fields(cas
 
     hf = make_hf_checkpoint(case, str(tmp_path / "src"))
     ours = AutoLigerModel.from_hf(str(tmp_path / "src"))
+    assert ours.config.num_params() == sum(p.numel() for p in ours.parameters())
     ours.save_hf(str(tmp_path / "out"))
 
     def tensors(d):
