@@ -312,3 +312,21 @@ def test_selective_activation_checkpointing_keeps_qk_norm_gradients(tmp_path):
     ref, got = grads("none"), grads("selective")
     for k in ref:
         assert rel_err(got[k], ref[k]) <= 1e-6, k
+
+
+def test_gemma3_old_config_layout_reads_like_transformers(tmp_path):
+    """The layout of the hub's Gemma 3 configs: rope_theta + rope_scaling for full layers, rope_local_base_freq for
+    sliding ones, sliding_window_pattern instead of layer_types; read as transformers reads it."""
+    import json
+
+    hf = make_hf_checkpoint("gemma3_tied_two_ropes", str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["rope_parameters"], cfg["layer_types"]
+    cfg.update(rope_theta=5000.0, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+               sliding_window_pattern=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32, device=DEVICE)
+    assert ours.config.layer_windows == (5, None) and ours.config.local_rope.theta == 100.0
+    ids, _ = _batch(hf.config.vocab_size)
+    with torch.no_grad():
+        assert rel_err(ours(ids.to(DEVICE)), hf(input_ids=ids).logits) <= 1e-4
