@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -139,7 +140,7 @@ def _checked_config(directory: str, repo_or_dir: str, expect: type[CausalLM] | N
     type, a config the family cannot read, and a family other than ``expect``'s."""
     hf_cfg = read_config(directory)
     family = family_of(hf_cfg.get("model_type"))
-    if expect is not None and expect is not CausalLM and getattr(expect, "model_type", None) != family.model_type:
+    if expect is not None and expect is not CausalLM and getattr(expect, "model_type", None) != family.cls.model_type:
         raise CheckpointError(f"{repo_or_dir!r} is a {family.model_type!r} checkpoint, not {expect.model_type!r}: "
                               f"use {family.cls.__name__} or AutoLigerModel")
     return hf_cfg, family, family.read_config(hf_cfg)
@@ -180,7 +181,14 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
                               + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
     used = {p for parts in plan.values() for p in parts}
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
-    unexpected = sorted(k for k in index if k not in used and k not in ignorable and not IGNORED_HF.match(k))
+    if config.tie_embeddings and family.text_family is not None:  # the language model's own tied-head name
+        ignorable.add("language_model.lm_head.weight")
+    skipped = sorted(k for k in index if family.skipped and re.match(family.skipped, k))
+    if skipped:
+        warnings.warn(f"{directory}: a {family.model_type} checkpoint: only its language model loads; "
+                      f"{len(skipped)} tensor(s) of other towers skipped ({skipped[0]}, ...)", stacklevel=2)
+    unexpected = sorted(k for k in index if k not in used and k not in ignorable and not IGNORED_HF.match(k)
+                        and k not in skipped)
     if unexpected:
         raise CheckpointError(f"{directory}: unexpected tensor(s) {unexpected[:8]} for a {family.model_type} "
                               f"model with this config.json")

@@ -39,7 +39,47 @@ PHI3 = {
     "layers.{i}.mlp.gate_up.weight": (f"{_L}.mlp.gate_up_proj.weight",),
 }
 
-KEYMAPS = {"standard": STANDARD, "phi3": PHI3}
+# Qwen3: an RMSNorm over each q and k head.
+_QK_NORMS = {
+    "layers.{i}.attn.q_norm.weight": (f"{_L}.self_attn.q_norm.weight",),
+    "layers.{i}.attn.k_norm.weight": (f"{_L}.self_attn.k_norm.weight",),
+}
+QWEN3 = {**STANDARD, **_QK_NORMS}
+
+# Gemma 2: "sandwich" norms; the MLP's input norm is pre_feedforward_layernorm, post_attention_layernorm
+# normalises the attention output.
+GEMMA2 = {
+    **STANDARD,
+    "layers.{i}.post_attn_norm.weight": (f"{_L}.post_attention_layernorm.weight",),
+    "layers.{i}.mlp_norm.weight": (f"{_L}.pre_feedforward_layernorm.weight",),
+    "layers.{i}.post_mlp_norm.weight": (f"{_L}.post_feedforward_layernorm.weight",),
+}
+GEMMA3 = {**GEMMA2, **_QK_NORMS}
+
+# GLM-4: post_attention_layernorm is the MLP's input norm, as in Llama; two more norms on the block outputs;
+# gate_up_proj fused as Phi-3's.
+GLM4 = {
+    **STANDARD,
+    "layers.{i}.post_attn_norm.weight": (f"{_L}.post_self_attn_layernorm.weight",),
+    "layers.{i}.post_mlp_norm.weight": (f"{_L}.post_mlp_layernorm.weight",),
+    "layers.{i}.mlp.gate_up.weight": (f"{_L}.mlp.gate_up_proj.weight",),
+}
+
+
+def _prefixed(table: dict[str, tuple[str, ...]], model: str, head: str) -> dict[str, tuple[str, ...]]:
+    """``table`` with ``model.`` replaced by ``model`` and ``lm_head.`` by ``head`` (a tower of a larger model)."""
+    def rename(name: str) -> str:
+        return model + name[len("model."):] if name.startswith("model.") else head + name[len("lm_head."):]
+
+    return {native: tuple(rename(p) for p in parts) for native, parts in table.items()}
+
+
+# Gemma 3 image-text checkpoints (Gemma3ForConditionalGeneration, as transformers 5 saves them): the language
+# model under language_model.*; the vision tower and projector are skipped (the family's ``skipped``).
+GEMMA3_MULTIMODAL = _prefixed(GEMMA3, "language_model.model.", "language_model.lm_head.")
+
+KEYMAPS = {"standard": STANDARD, "phi3": PHI3, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3, "glm4": GLM4,
+           "gemma3_multimodal": GEMMA3_MULTIMODAL}
 
 #: Sizes along dim 0 of the parts of a fused native tensor, by the native module it belongs to.
 PART_SIZES: dict[str, Callable[[DecoderConfig], list[int]]] = {

@@ -3,12 +3,13 @@
 Every public op runs its Triton kernels on CUDA tensors, and on CPU tensors runs the pure-PyTorch
 reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET=1``
 (see :mod:`kernels._common`). Every op is a ``torch.library`` custom op, so it composes with
-``torch.compile`` without graph breaks. Inputs are never modified, except by ``apply_rope_qkv_``,
-the in-place form for blocks that own their projection buffer.
+``torch.compile`` without graph breaks. Inputs are never modified, except by ``apply_rope_qkv_`` and
+``apply_qk_norm_rope_qkv_``, the in-place forms for blocks that own their projection buffer.
 
 - :mod:`kernels.rms_norm`: ``rms_norm``, ``fused_add_rms_norm``
 - :mod:`kernels.norm_linear`: ``rms_norm_linear`` (norm + the projection reading it, norm output recomputed)
-- :mod:`kernels.rope`: ``apply_rope``, ``apply_rope_qkv_`` (in place on a packed q/k/v projection)
+- :mod:`kernels.rope`: ``apply_rope``, ``apply_rope_qkv_`` (in place on a packed q/k/v projection; partial and
+  interleaved rotary), ``apply_qk_norm_rope_qkv_`` (q/k head RMSNorm + RoPE, in place)
 - :mod:`kernels.glu`: ``swiglu``, ``geglu``, ``glu_linear`` (GLU + down projection, activation recomputed)
 - :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
 - :mod:`kernels.adamw`: ``AdamW`` (``torch.optim.AdamW`` with a Triton update kernel; an optimiser, not an op)
@@ -20,8 +21,9 @@ from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from kernels.glu import geglu, glu_linear, swiglu
 from kernels.norm_linear import rms_norm_linear
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kernels.rope import apply_rope, apply_rope_qkv_
+from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
 
 __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_norm_linear", "apply_rope",
-           "apply_rope_qkv_", "swiglu", "geglu", "glu_linear", "cross_entropy", "fused_linear_cross_entropy",
+           "apply_rope_qkv_", "apply_qk_norm_rope_qkv_",
+           "swiglu", "geglu", "glu_linear", "cross_entropy", "fused_linear_cross_entropy",
            "AdamW"]

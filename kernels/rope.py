@@ -1,9 +1,16 @@
-"""Rotary position embedding (rotate-half / Hugging Face convention) applied to q and k in one launch.
+"""Rotary position embedding applied to q and k in one launch: rotate-half (Hugging Face) or interleaved
+(GPT-J / GLM) pairs, on the whole head or its first R channels (partial rotary), optionally fused with
+an RMSNorm over each q and k head (Qwen3, Gemma 3).
 
 ``out = x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` over the two halves
-of ``head_dim``. Written per half (``c1, c2, s1, s2`` the halves of cos and sin)::
+of the rotary dim R = ``cos.shape[-1]`` (<= head_dim D; channels R..D pass unchanged, as HF's
+``q_pass``). Written per pair (``c1, c2, s1, s2`` the cos / sin entries of its two members)::
 
     out1 = x1 * c1 - x2 * s1          out2 = x2 * c2 + x1 * s2
+
+Rotate-half pairs are channels (i, i + R/2) with cos entries (i, i + R/2); interleaved pairs are
+(2i, 2i + 1), both with cos entry i (HF GLM: ``cos[..., :R/2].repeat_interleave(2)``). The kernels only
+change the offsets.
 
 The backward pass is the transpose, ``dx = dy * cos + rotate_half^T(dy * sin)`` with
 ``rotate_half^T(v) = cat(v2, -v1)``::
@@ -16,22 +23,34 @@ so one kernel serves both passes (a compile-time switch). cos and sin are buffer
 Layout: q (B, S, Hq, D) and k (B, S, Hkv, D), as a projection produces them. They may be strided
 views (e.g. slices of one fused qkv projection viewed as (B, S, Hq + 2*Hkv, D)); the kernel takes
 their batch / seq / head strides and only the last dim must be unit-stride. cos / sin are
-(B, S, D) (per-token positions, e.g. packed sequences), (1, S, D) or (S, D) (shared by the batch),
-fp32 or the model dtype. D must be even; it need not be a power of two (Phi-3: 96), the halves are
-masked. Outputs are fresh contiguous tensors in q's dtype; the math runs in fp32.
+(B, S, R) (per-token positions, e.g. packed sequences), (1, S, R) or (S, R) (shared by the batch),
+fp32 or the model dtype. R must be even; neither R/2 nor D need be a power of two (Phi-3: 96), the
+tiles are masked. Outputs are fresh contiguous tensors in q's dtype; the math runs in fp32.
 
 ``apply_rope_qkv_`` is the in-place form for blocks that own a packed (B, S, (Hq + 2*Hkv) * D)
 projection output: the kernel writes the rotated q and k heads back where they were read (each
 tile is loaded whole before it is stored), so no rotated copies exist; its backward writes a new
 gradient buffer with the q / k heads rotated back and the v heads copied.
 
+``apply_qk_norm_rope_qkv_`` is the same in-place pass with an RMSNorm over each q head (weight wq (D,))
+and k head (wk) before the rotation: ``y = x * rstd * (offset + w)`` with ``kernels.rms_norm``'s rounding
+(``casting``), rounded to the dtype, then rotated. The forward also writes the q / k heads as read
+(xs, (B, S, Hq + Hkv, D)) and one fp32 rstd per head: the in-place output cannot give x back (that
+would divide by w). Backward, per head, with ``g`` the un-rotated output gradient and ``n = x * rstd``::
+
+    dx = rstd * (g*(offset+w) - n * mean(g*(offset+w) * n))      dw = sum over tokens and heads of g * n
+
+each token program writes its fp32 (D,) partial dw (summed over its heads), summed over tokens after.
+
 One program handles one token: it loads that token's cos / sin once, then rotates all q heads and
 then all kv heads, in tiles of up to ``_TILE`` elements per half.
 
 Bytes moved (the fewest each pass must move), for T = B*S tokens, P distinct cos rows (B*S, or S
 when shared), element size s of q/k and c of cos/sin:
-forward  2*T*(Hq + Hkv)*D*s + 2*P*D*c   (read q, k; write q_rot, k_rot; read cos, sin once per row),
-backward 2*T*(Hq + Hkv)*D*s + 2*P*D*c   (read dq_rot, dk_rot; write dq, dk; read cos, sin).
+forward  2*T*(Hq + Hkv)*D*s + 2*P*R*c   (read q, k; write q_rot, k_rot; read cos, sin once per row),
+backward 2*T*(Hq + Hkv)*D*s + 2*P*R*c   (read dq_rot, dk_rot; write dq, dk; read cos, sin)
+(in place, the forward moves only the R rotary channels). The fused norm adds one write of the q / k
+heads (xs) in the forward and one read of them in the backward, 3*T*(Hq + Hkv)*D*s each way.
 """
 
 from __future__ import annotations
@@ -42,6 +61,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels._common import LIB, check_same_device, compute_dtype, use_triton
+from kernels.rms_norm import rms_norm_reference
 
 #: Elements per half-tile of one program (16 heads x 64 at head_dim 128), and warps. Measured on an
 #: H100 (kernel time, 32/8 heads of 128, bf16): 2048 x 4 warps ran at 83-92% of copy bandwidth,
@@ -52,48 +72,230 @@ _WARPS = 4
 
 # --------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, c1, c2, s1, s2,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _pair_offsets(d, half, INTERLEAVED: tl.constexpr):
+    """Element offsets of the two members of rotary pair ``d`` and of the cos/sin entries for the second:
+    rotate-half pairs (d, d + half) with cos entries (d, d + half); interleaved pairs (2d, 2d + 1) with
+    cos entry d for both (HF's ``cos[..., :rotary_dim // 2].repeat_interleave(2)``)."""
+    if INTERLEAVED:
+        o1 = 2 * d
+        o2 = 2 * d + 1
+        oc2 = d
+    else:
+        o1 = d
+        o2 = d + half
+        oc2 = d + half
+    return o1, o2, oc2
+
+
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, n_rest, c1, c2, s1, s2, o1, o2,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, COPY_REST: tl.constexpr, BLOCK_R: tl.constexpr):
     """Rotate the ``n_heads`` rows of one token: x at ``x_ptr`` (head stride ``stride_h``) -> o at
-    ``o_ptr`` (head stride ``stride_oh``). Each tile is loaded whole before it is stored, so o may be x."""
+    ``o_ptr`` (head stride ``stride_oh``), pairs at offsets ``o1`` / ``o2``. With COPY_REST the
+    ``n_rest`` channels after the rotary ones are copied (out of place); otherwise they are left as they
+    are (in place). Each tile is loaded whole before it is stored, so o may be x."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_R)
     dmask = d < half
     for h0 in range(0, n_heads, BLOCK_H):
         hh = h0 + h
         mask = (hh < n_heads)[:, None] & dmask[None, :]
-        x_off = hh[:, None] * stride_h + d[None, :]
-        o_off = hh[:, None] * stride_oh + d[None, :]
-        x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + x_off + half, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptr + o_off, (x1 * c1 - x2 * s1).to(o_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_ptr + o_off + half, (x2 * c2 + x1 * s2).to(o_ptr.dtype.element_ty), mask=mask)
+        x_row = x_ptr + hh[:, None] * stride_h
+        o_row = o_ptr + hh[:, None] * stride_oh
+        x1 = tl.load(x_row + o1[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + o2[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_row + o1[None, :], (x1 * c1 - x2 * s1).to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_row + o2[None, :], (x2 * c2 + x1 * s2).to(o_ptr.dtype.element_ty), mask=mask)
+        if COPY_REST:
+            rmask = (hh < n_heads)[:, None] & (r < n_rest)[None, :]
+            xr = tl.load(x_row + 2 * half + r[None, :], mask=rmask, other=0.0)
+            tl.store(o_row + 2 * half + r[None, :], xr.to(o_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token's (c1, c2, s1, s2) as (1, BLOCK_D) fp32 rows, with the pair offsets (o1, o2). BACKWARD
+    gives the transpose of the rotation: the sine halves swapped and negated."""
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < half
+    o1, o2, oc2 = _pair_offsets(d, half, INTERLEAVED)
+    c_row = cos_ptr + b * sc_b + s * sc_s
+    s_row = sin_ptr + b * ss_b + s * ss_s
+    c1 = tl.load(c_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(c_row + oc2, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(s_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(s_row + oc2, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    if BACKWARD:  # transpose of the rotation: swap the sine halves and negate them
+        s1_fwd = s1
+        s1 = -s2
+        s2 = -s1_fwd
+    return c1, c2, s1, s2, o1, o2
 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_qh, n_kh,
                  sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
-                 sc_b, sc_s, ss_b, ss_s, half,
-                 BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                 sc_b, sc_s, ss_b, ss_s, half, n_rest,
+                 BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // seq_len
     s = tok - b * seq_len
+    c1, c2, s1, s2, o1, o2 = _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD,
+                                           INTERLEAVED, BLOCK_D)
+    _rotate_heads(q_ptr + b * sq_b + s * sq_s, qo_ptr + b * sqo_b + s * sqo_s, n_qh, sq_h, sqo_h, half, n_rest,
+                  c1, c2, s1, s2, o1, o2, BLOCK_HQ, BLOCK_D, COPY_REST, BLOCK_R)
+    _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half, n_rest,
+                  c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, COPY_REST, BLOCK_R)
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, xs_ptr, rs_ptr, w_ptr, n_heads, stride_h, stride_xs_h, head_dim, half, n_rest, eps,
+                     offset, c1, c2, s1, s2, o1, o2, CASTING: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """RMSNorm over each of the ``n_heads`` heads of one token (weight ``w_ptr`` (D,)), then rotate, in
+    place at ``x_ptr``. The heads as read are copied to ``xs_ptr`` and their rstd to ``rs_ptr`` (for
+    backward). Rounding as ``kernels.rms_norm`` (CASTING 0 llama, 1 gemma), then the rotation in fp32
+    on the normed values rounded to x's dtype (HF normalises, then rotates the rounded result)."""
+    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_R)
     dmask = d < half
-    c_row = cos_ptr + b * sc_b + s * sc_s
-    s_row = sin_ptr + b * ss_b + s * ss_s
-    c1 = tl.load(c_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(c_row + half + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(s_row + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(s_row + half + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    if BACKWARD:  # transpose of rotate_half: swap the sine halves and negate them
-        s1_fwd = s1
-        s1 = -s2
-        s2 = -s1_fwd
-    _rotate_heads(q_ptr + b * sq_b + s * sq_s, qo_ptr + b * sqo_b + s * sqo_s, n_qh, sq_h, sqo_h, half,
-                  c1, c2, s1, s2, BLOCK_HQ, BLOCK_D)
-    _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half,
-                  c1, c2, s1, s2, BLOCK_HK, BLOCK_D)
+    rmask = r < n_rest
+    dt = x_ptr.dtype.element_ty
+    w1 = tl.load(w_ptr + o1, mask=dmask, other=0.0).to(tl.float32)[None, :] + offset
+    w2 = tl.load(w_ptr + o2, mask=dmask, other=0.0).to(tl.float32)[None, :] + offset
+    wr = tl.load(w_ptr + 2 * half + r, mask=rmask, other=0.0).to(tl.float32)[None, :] + offset
+    for h0 in range(0, n_heads, BLOCK_H):
+        hh = h0 + h
+        hm = hh < n_heads
+        m = hm[:, None] & dmask[None, :]
+        mr = hm[:, None] & rmask[None, :]
+        x_row = x_ptr + hh[:, None] * stride_h
+        xs_row = xs_ptr + hh[:, None] * stride_xs_h
+        x1 = tl.load(x_row + o1[None, :], mask=m, other=0.0)
+        x2 = tl.load(x_row + o2[None, :], mask=m, other=0.0)
+        xr = tl.load(x_row + 2 * half + r[None, :], mask=mr, other=0.0)
+        tl.store(xs_row + o1[None, :], x1, mask=m)
+        tl.store(xs_row + o2[None, :], x2, mask=m)
+        tl.store(xs_row + 2 * half + r[None, :], xr, mask=mr)
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
+        xr = xr.to(tl.float32)
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xr * xr, axis=1)
+        rstd = tl.rsqrt(ss / head_dim + eps)
+        tl.store(rs_ptr + hh, rstd, mask=hm)
+        n1 = x1 * rstd[:, None]
+        n2 = x2 * rstd[:, None]
+        nr = xr * rstd[:, None]
+        if CASTING == 0:  # llama: round the normalised head to x's dtype before the weight
+            n1 = n1.to(dt).to(tl.float32)
+            n2 = n2.to(dt).to(tl.float32)
+            nr = nr.to(dt).to(tl.float32)
+        y1 = (n1 * w1).to(dt).to(tl.float32)
+        y2 = (n2 * w2).to(dt).to(tl.float32)
+        tl.store(x_row + o1[None, :], (y1 * c1 - y2 * s1).to(dt), mask=m)
+        tl.store(x_row + o2[None, :], (y2 * c2 + y1 * s2).to(dt), mask=m)
+        tl.store(x_row + 2 * half + r[None, :], (nr * wr).to(dt), mask=mr)
+
+
+@triton.jit
+def _norm_rope_heads_bwd(dy_ptr, dx_ptr, xs_ptr, rs_ptr, w_ptr, dw_ptr, n_heads, stride_h, stride_xs_h, head_dim,
+                         half, n_rest, offset, c1, c2, s1, s2, o1, o2,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Backward of :func:`_norm_rope_heads` for one token's heads: dy (rotated-output gradient, head
+    stride ``stride_h``) -> dx (same layout), and this token's fp32 partial weight gradient (D,) at
+    ``dw_ptr``. (c1, c2, s1, s2) are the transposed rotation's (BACKWARD) factors."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_R)
+    dmask = d < half
+    rmask = r < n_rest
+    w1 = tl.load(w_ptr + o1, mask=dmask, other=0.0).to(tl.float32)[None, :] + offset
+    w2 = tl.load(w_ptr + o2, mask=dmask, other=0.0).to(tl.float32)[None, :] + offset
+    wr = tl.load(w_ptr + 2 * half + r, mask=rmask, other=0.0).to(tl.float32)[None, :] + offset
+    dw1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dw2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dwr = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for h0 in range(0, n_heads, BLOCK_H):
+        hh = h0 + h
+        hm = hh < n_heads
+        m = hm[:, None] & dmask[None, :]
+        mr = hm[:, None] & rmask[None, :]
+        dy_row = dy_ptr + hh[:, None] * stride_h
+        xs_row = xs_ptr + hh[:, None] * stride_xs_h
+        dy1 = tl.load(dy_row + o1[None, :], mask=m, other=0.0).to(tl.float32)
+        dy2 = tl.load(dy_row + o2[None, :], mask=m, other=0.0).to(tl.float32)
+        g_r = tl.load(dy_row + 2 * half + r[None, :], mask=mr, other=0.0).to(tl.float32)
+        g1 = dy1 * c1 - dy2 * s1  # the rotation's transpose: gradient of the normed head
+        g2 = dy2 * c2 + dy1 * s2
+        rstd = tl.load(rs_ptr + hh, mask=hm, other=0.0)
+        n1 = tl.load(xs_row + o1[None, :], mask=m, other=0.0).to(tl.float32) * rstd[:, None]
+        n2 = tl.load(xs_row + o2[None, :], mask=m, other=0.0).to(tl.float32) * rstd[:, None]
+        nr = tl.load(xs_row + 2 * half + r[None, :], mask=mr, other=0.0).to(tl.float32) * rstd[:, None]
+        dn1 = g1 * w1
+        dn2 = g2 * w2
+        dnr = g_r * wr
+        mean = (tl.sum(dn1 * n1, axis=1) + tl.sum(dn2 * n2, axis=1) + tl.sum(dnr * nr, axis=1)) / head_dim
+        dx_row = dx_ptr + hh[:, None] * stride_h
+        dt = dx_ptr.dtype.element_ty
+        tl.store(dx_row + o1[None, :], ((dn1 - n1 * mean[:, None]) * rstd[:, None]).to(dt), mask=m)
+        tl.store(dx_row + o2[None, :], ((dn2 - n2 * mean[:, None]) * rstd[:, None]).to(dt), mask=m)
+        tl.store(dx_row + 2 * half + r[None, :], ((dnr - nr * mean[:, None]) * rstd[:, None]).to(dt), mask=mr)
+        dw1 += tl.sum(g1 * n1, axis=0)
+        dw2 += tl.sum(g2 * n2, axis=0)
+        dwr += tl.sum(g_r * nr, axis=0)
+    tl.store(dw_ptr + o1, dw1, mask=dmask)
+    tl.store(dw_ptr + o2, dw2, mask=dmask)
+    tl.store(dw_ptr + 2 * half + r, dwr, mask=rmask)
+
+
+@triton.jit
+def _norm_rope_qkv_kernel(x_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, seq_len, n_qh, n_kh,
+                          sx_b, sx_s, sc_b, sc_s, ss_b, ss_s, head_dim, half, n_rest, eps, offset,
+                          CASTING: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                          BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One token of a packed (B, S, (Hq + 2*Hkv) * D) buffer: q heads normed by wq and rotated, k heads by
+    wk, in place. xs: (B*S, Hq + Hkv, D) copy of the heads as read; rs: (B*S, Hq + Hkv) fp32 rstd."""
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // seq_len
+    s = tok - b * seq_len
+    c1, c2, s1, s2, o1, o2 = _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, False,
+                                           INTERLEAVED, BLOCK_D)
+    x_tok = x_ptr + b * sx_b + s * sx_s
+    xs_tok = xs_ptr + tok * (n_qh + n_kh) * head_dim
+    rs_tok = rs_ptr + tok * (n_qh + n_kh)
+    _norm_rope_heads(x_tok, xs_tok, rs_tok, wq_ptr, n_qh, head_dim, head_dim, head_dim, half, n_rest, eps, offset,
+                     c1, c2, s1, s2, o1, o2, CASTING, BLOCK_HQ, BLOCK_D, BLOCK_R)
+    _norm_rope_heads(x_tok + n_qh * head_dim, xs_tok + n_qh * head_dim, rs_tok + n_qh, wk_ptr, n_kh, head_dim,
+                     head_dim, head_dim, half, n_rest, eps, offset, c1, c2, s1, s2, o1, o2, CASTING, BLOCK_HK,
+                     BLOCK_D, BLOCK_R)
+
+
+@triton.jit
+def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dwq_ptr, dwk_ptr, cos_ptr, sin_ptr,
+                              seq_len, n_qh, n_kh, sc_b, sc_s, ss_b, ss_s, head_dim, half, n_rest, offset,
+                              INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Backward of :func:`_norm_rope_qkv_kernel` for one token: dy, dx contiguous (B*S, (Hq + 2*Hkv) * D)
+    (the v heads are copied by the caller); per-token fp32 partial weight gradients dwq, dwk (B*S, D)."""
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // seq_len
+    s = tok - b * seq_len
+    c1, c2, s1, s2, o1, o2 = _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, True,
+                                           INTERLEAVED, BLOCK_D)
+    row = tok * (n_qh + 2 * n_kh) * head_dim
+    xs_tok = xs_ptr + tok * (n_qh + n_kh) * head_dim
+    rs_tok = rs_ptr + tok * (n_qh + n_kh)
+    _norm_rope_heads_bwd(dy_ptr + row, dx_ptr + row, xs_tok, rs_tok, wq_ptr, dwq_ptr + tok * head_dim, n_qh,
+                         head_dim, head_dim, head_dim, half, n_rest, offset, c1, c2, s1, s2, o1, o2,
+                         BLOCK_HQ, BLOCK_D, BLOCK_R)
+    kq = n_qh * head_dim
+    _norm_rope_heads_bwd(dy_ptr + row + kq, dx_ptr + row + kq, xs_tok + kq, rs_tok + n_qh, wk_ptr,
+                         dwk_ptr + tok * head_dim, n_kh, head_dim, head_dim, head_dim, half, n_rest, offset,
+                         c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, BLOCK_R)
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -112,32 +314,41 @@ def _head_block(n_heads: int, block_d: int) -> int:
     return min(triton.next_power_of_2(max(n_heads, 1)), max(_TILE // block_d, 1))
 
 
+def _blocks(head_dim: int, rotary_dim: int) -> tuple[int, int, int, int]:
+    """(half, n_rest, BLOCK_D, BLOCK_R): rotary pairs, channels past the rotary ones, and their tile sizes
+    (compile-time sizes: int() specialises symbolic shapes)."""
+    half, n_rest = int(rotary_dim) // 2, int(head_dim) - int(rotary_dim)
+    return half, n_rest, triton.next_power_of_2(max(half, 1)), triton.next_power_of_2(max(n_rest, 1))
+
+
 def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qo: torch.Tensor,
-            ko: torch.Tensor, backward: bool) -> None:
-    """Rotate x_q -> qo and x_k -> ko, all (B, S, H, D) with unit last stride (qo / ko may alias x_q / x_k)."""
+            ko: torch.Tensor, backward: bool, interleaved: bool, copy_rest: bool) -> None:
+    """Rotate x_q -> qo and x_k -> ko, all (B, S, H, D) with unit last stride (qo / ko may alias x_q / x_k).
+    The first cos.shape[-1] channels rotate; with ``copy_rest`` the others are copied."""
     B, S, Hq, D = x_q.shape
     Hkv = x_k.shape[2]
     if B * S == 0 or D == 0:
         return
-    block_d = triton.next_power_of_2(int(D) // 2)  # compile-time sizes: int() specialises symbolic shapes
+    half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
     sc_b, sc_s = _cs_strides(cos)
     ss_b, ss_s = _cs_strides(sin)
     wrap_triton(_rope_kernel)[(B * S,)](
         x_q, x_k, cos, sin, qo, ko, S, Hq, Hkv,
         x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-        sc_b, sc_s, ss_b, ss_s, D // 2,
-        BACKWARD=backward, BLOCK_HQ=_head_block(int(Hq), block_d), BLOCK_HK=_head_block(int(Hkv), block_d),
-        BLOCK_D=block_d, num_warps=_WARPS)
+        sc_b, sc_s, ss_b, ss_s, half, n_rest,
+        BACKWARD=backward, INTERLEAVED=interleaved, COPY_REST=copy_rest and n_rest > 0,
+        BLOCK_HQ=_head_block(int(Hq), block_d), BLOCK_HK=_head_block(int(Hkv), block_d),
+        BLOCK_D=block_d, BLOCK_R=block_r, num_warps=_WARPS)
 
 
 def _rotate_new(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                backward: bool, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated copies of x_q and x_k as fresh contiguous tensors in x_q's dtype."""
     x_q, x_k, cos, sin = _unit_last(x_q), _unit_last(x_k), _unit_last(cos), _unit_last(sin)
     qo = torch.empty(x_q.shape, dtype=x_q.dtype, device=x_q.device)
     ko = torch.empty(x_k.shape, dtype=x_q.dtype, device=x_q.device)
-    _launch(x_q, x_k, cos, sin, qo, ko, backward)
+    _launch(x_q, x_k, cos, sin, qo, ko, backward, interleaved, copy_rest=True)
     return qo, ko
 
 
@@ -149,90 +360,194 @@ def _split_heads(qkv: torch.Tensor, n_q: int, n_kv: int) -> tuple[torch.Tensor, 
 
 
 @triton_op(f"{LIB}::rope_fwd", mutates_args={})
-def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot, k_rot), fresh contiguous (B, S, H, D) tensors in q's dtype."""
-    return _rotate_new(q, k, cos, sin, backward=False)
+    return _rotate_new(q, k, cos, sin, False, interleaved)
 
 
 @triton_op(f"{LIB}::rope_bwd", mutates_args={})
-def _rope_bwd(dq_rot: torch.Tensor, dk_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_bwd(dq_rot: torch.Tensor, dk_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) from the gradients of q_rot and k_rot, fresh contiguous (B, S, H, D) tensors."""
-    return _rotate_new(dq_rot, dk_rot, cos, sin, backward=True)
+    return _rotate_new(dq_rot, dk_rot, cos, sin, True, interleaved)
 
 
 @triton_op(f"{LIB}::rope_qkv_", mutates_args={"qkv"})
-def _rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int) -> None:
+def _rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
+               interleaved: bool = False) -> None:
     """Rotate the q and k heads of a packed (B, S, (Hq + 2*Hkv) * D) projection output in place."""
     q, k, _ = _split_heads(qkv, n_q, n_kv)
-    _launch(q, k, _unit_last(cos), _unit_last(sin), q, k, backward=False)
+    _launch(q, k, _unit_last(cos), _unit_last(sin), q, k, False, interleaved, copy_rest=False)
 
 
 @triton_op(f"{LIB}::rope_qkv_bwd", mutates_args={})
-def _rope_qkv_bwd(dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+def _rope_qkv_bwd(dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
+                  interleaved: bool = False) -> torch.Tensor:
     """Gradient of the packed qkv before :func:`_rope_qkv_`: q / k heads rotated back, v heads copied."""
     dqkv = _unit_last(dqkv)
     out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
     dq, dk, dv = _split_heads(dqkv, n_q, n_kv)
     oq, ok, ov = _split_heads(out, n_q, n_kv)
-    _launch(dq, dk, _unit_last(cos), _unit_last(sin), oq, ok, backward=True)
+    _launch(dq, dk, _unit_last(cos), _unit_last(sin), oq, ok, True, interleaved, copy_rest=True)
     ov.copy_(dv)
     return out
 
 
+@triton_op(f"{LIB}::qk_norm_rope_qkv_", mutates_args={"qkv"})
+def _qk_norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, n_q: int, n_kv: int, eps: float, offset: float, casting: int,
+                       interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm each q / k head of a contiguous packed (B, S, (Hq + 2*Hkv) * D) buffer and rotate it, in place.
+
+    Returns (x_saved (B, S, Hq + Hkv, D) in qkv's dtype: the q and k heads as they were read;
+    rstd (B, S, Hq + Hkv) fp32), what the backward needs.
+    """
+    B, S, n = qkv.shape
+    D = n // (n_q + 2 * n_kv)
+    xs = torch.empty((B, S, n_q + n_kv, D), dtype=qkv.dtype, device=qkv.device)
+    rs = torch.empty((B, S, n_q + n_kv), dtype=torch.float32, device=qkv.device)
+    if B * S == 0 or D == 0:
+        return xs, rs
+    cos, sin = _unit_last(cos), _unit_last(sin)
+    half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
+    sc_b, sc_s = _cs_strides(cos)
+    ss_b, ss_s = _cs_strides(sin)
+    block_full = 2 * max(block_d, block_r)
+    wrap_triton(_norm_rope_qkv_kernel)[(B * S,)](
+        qkv, xs, rs, q_weight, k_weight, cos, sin, S, n_q, n_kv, qkv.stride(0), qkv.stride(1),
+        sc_b, sc_s, ss_b, ss_s, D, half, n_rest, eps, offset,
+        CASTING=casting, INTERLEAVED=interleaved, BLOCK_HQ=_head_block(int(n_q), block_full),
+        BLOCK_HK=_head_block(int(n_kv), block_full), BLOCK_D=block_d, BLOCK_R=block_r, num_warps=_WARPS)
+    return xs, rs
+
+
+@triton_op(f"{LIB}::qk_norm_rope_qkv_bwd", mutates_args={})
+def _qk_norm_rope_qkv_bwd(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
+                          offset: float, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dqkv before the op (B, S, (Hq + 2*Hkv) * D), dq_weight, dk_weight (D,) in the weights' dtype)."""
+    dqkv = dqkv.contiguous()
+    B, S, n = dqkv.shape
+    D = n // (n_q + 2 * n_kv)
+    out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
+    dwq = torch.zeros((B * S, D), dtype=torch.float32, device=dqkv.device)
+    dwk = torch.zeros((B * S, D), dtype=torch.float32, device=dqkv.device)
+    if B * S > 0 and D > 0:
+        cos, sin = _unit_last(cos), _unit_last(sin)
+        half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
+        sc_b, sc_s = _cs_strides(cos)
+        ss_b, ss_s = _cs_strides(sin)
+        block_full = 2 * max(block_d, block_r)
+        wrap_triton(_norm_rope_qkv_bwd_kernel)[(B * S,)](
+            dqkv, out, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, S, n_q, n_kv, sc_b, sc_s, ss_b, ss_s,
+            D, half, n_rest, offset, INTERLEAVED=interleaved, BLOCK_HQ=_head_block(int(n_q), block_full),
+            BLOCK_HK=_head_block(int(n_kv), block_full), BLOCK_D=block_d, BLOCK_R=block_r, num_warps=_WARPS)
+    _, _, dv = _split_heads(dqkv, n_q, n_kv)
+    _, _, ov = _split_heads(out, n_q, n_kv)
+    ov.copy_(dv)
+    return out, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
+
+
 class RoPEFunction(torch.autograd.Function):
-    """Autograd wrapper: ``forward(q, k, cos, sin) -> (q_rot, k_rot)``; no gradient for cos / sin."""
+    """Autograd wrapper: ``forward(q, k, cos, sin, interleaved) -> (q_rot, k_rot)``; no gradient for cos / sin."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                interleaved: bool = False):
         ctx.save_for_backward(cos, sin)
-        return _rope_fwd(q, k, cos, sin)
+        ctx.interleaved = interleaved
+        return _rope_fwd(q, k, cos, sin, interleaved)
 
     @staticmethod
     def backward(ctx, dq_rot: torch.Tensor, dk_rot: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        dq, dk = _rope_bwd(dq_rot, dk_rot, cos, sin)
-        return dq, dk, None, None
+        dq, dk = _rope_bwd(dq_rot, dk_rot, cos, sin, ctx.interleaved)
+        return dq, dk, None, None, None
 
 
 class RoPEQKVInplaceFunction(torch.autograd.Function):
-    """Autograd wrapper of the in-place rotation of a packed qkv: ``forward(qkv, cos, sin, n_q, n_kv) -> qkv``.
+    """Autograd wrapper of the in-place rotation of a packed qkv:
+    ``forward(qkv, cos, sin, n_q, n_kv, interleaved) -> qkv``.
 
     The forward overwrites q and k in the caller's buffer (``mark_dirty``); the backward writes a new
     gradient buffer (the incoming one is left as it is).
     """
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
-        _rope_qkv_(qkv, cos, sin, n_q, n_kv)
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
+                interleaved: bool = False) -> torch.Tensor:
+        _rope_qkv_(qkv, cos, sin, n_q, n_kv, interleaved)
         ctx.mark_dirty(qkv)
         ctx.save_for_backward(cos, sin)
-        ctx.heads = (n_q, n_kv)
+        ctx.heads = (n_q, n_kv, interleaved)
         return qkv
 
     @staticmethod
     def backward(ctx, dqkv: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        return _rope_qkv_bwd(dqkv, cos, sin, *ctx.heads), None, None, None, None
+        return _rope_qkv_bwd(dqkv, cos, sin, *ctx.heads), None, None, None, None, None
+
+
+class QKNormRoPEQKVInplaceFunction(torch.autograd.Function):
+    """Autograd wrapper of the in-place q/k head norm + rotation of a packed qkv:
+    ``forward(qkv, cos, sin, q_weight, k_weight, n_q, n_kv, eps, offset, casting, interleaved) -> qkv``.
+
+    Saves the q / k heads as they were read (one (B, S, Hq + Hkv, D) copy, what an unfused norm would
+    keep too) and the per-head rstd; gradients flow to qkv and both weights.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, q_weight, k_weight, n_q: int, n_kv: int, eps: float, offset: float,
+                casting: int, interleaved: bool) -> torch.Tensor:
+        xs, rs = _qk_norm_rope_qkv_(qkv, cos, sin, q_weight, k_weight, n_q, n_kv, eps, offset, casting, interleaved)
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(xs, rs, cos, sin, q_weight, k_weight)
+        ctx.args = (n_q, n_kv, offset, interleaved)
+        return qkv
+
+    @staticmethod
+    def backward(ctx, dqkv: torch.Tensor):
+        xs, rs, cos, sin, wq, wk = ctx.saved_tensors
+        dx, dwq, dwk = _qk_norm_rope_qkv_bwd(dqkv, xs, rs, cos, sin, wq, wk, *ctx.args)
+        return dx, None, None, dwq, dwk, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
-def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-PyTorch rotate-half RoPE in fp32 (fp64 for fp64 inputs), rounded once to q's dtype.
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch RoPE in fp32 (fp64 for fp64 inputs), rounded once to q's dtype, as HF writes it.
 
+    The first ``R = cos.shape[-1]`` channels rotate (rotate-half pairs (i, i + R/2), or with
+    ``interleaved`` GPT-J pairs (2i, 2i + 1) using ``cos[..., :R/2]``); the others pass unchanged.
     Shapes as in :func:`apply_rope`; differentiable through autograd (cos / sin included).
     """
     cd = compute_dtype(q.dtype)
+    rd = cos.shape[-1]
     c, s = cos.to(cd).unsqueeze(-2), sin.to(cd).unsqueeze(-2)  # broadcast over heads
+    if interleaved:
+        c = c[..., : rd // 2].repeat_interleave(2, dim=-1)
+        s = s[..., : rd // 2].repeat_interleave(2, dim=-1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(cd)
-        x1, x2 = x.chunk(2, dim=-1)
-        return (x * c + torch.cat((-x2, x1), dim=-1) * s).to(q.dtype)
+        xr, rest = x[..., :rd].to(cd), x[..., rd:]
+        if interleaved:
+            rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+        else:
+            x1, x2 = xr.chunk(2, dim=-1)
+            rot = torch.cat((-x2, x1), dim=-1)
+        return torch.cat(((xr * c + rot * s).to(q.dtype), rest.to(q.dtype)), dim=-1)
 
     return rotate(q), rotate(k)
+
+
+def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+                           casting: str = "llama", interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch RMSNorm of each q head (weight (D,)) and k head, then :func:`rope_reference`, as HF's
+    Qwen3 / Gemma 3 attention: q (B, S, Hq, D), k (B, S, Hkv, D) -> new (q_rot, k_rot)."""
+    return rope_reference(rms_norm_reference(q, q_weight, eps, offset, casting),
+                          rms_norm_reference(k, k_weight, eps, offset, casting), cos, sin, interleaved)
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -247,17 +562,17 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError(f"apply_rope: q and k differ in seq: {S} vs {Sk}")
     if Dk != D:
         raise ValueError(f"apply_rope: q and k differ in head_dim: {D} vs {Dk}")
-    if D % 2:
-        raise ValueError(f"apply_rope: head_dim must be even for rotate_half, got {D}")
     if q.dtype != k.dtype or not q.dtype.is_floating_point:
         raise ValueError(f"apply_rope: q and k must share one floating dtype, got {q.dtype} and {k.dtype}")
     if cos.shape != sin.shape:
         raise ValueError(f"apply_rope: cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.dim() not in (2, 3):
-        raise ValueError(f"apply_rope: cos/sin must be (batch, seq, head_dim) or (seq, head_dim), "
+        raise ValueError(f"apply_rope: cos/sin must be (batch, seq, rotary_dim) or (seq, rotary_dim), "
                          f"got {tuple(cos.shape)}")
-    if cos.shape[-1] != D:
-        raise ValueError(f"apply_rope: cos/sin head_dim {cos.shape[-1]} != q/k head_dim {D}")
+    if cos.shape[-1] > D:
+        raise ValueError(f"apply_rope: cos/sin head_dim (rotary dim) {cos.shape[-1]} > q/k head_dim {D}")
+    if cos.shape[-1] % 2:
+        raise ValueError(f"apply_rope: the rotary dim (cos/sin last dim) must be even, got {cos.shape[-1]}")
     if cos.shape[-2] != S:
         raise ValueError(f"apply_rope: cos/sin seq {cos.shape[-2]} != q/k seq {S}")
     if cos.dim() == 3 and cos.shape[0] not in (1, B):
@@ -267,25 +582,51 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     check_same_device(q, k, cos, sin)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of q and k (rotate-half convention), one kernel launch per pass.
+    """Rotary embedding of q and k, one kernel launch per pass.
 
     Args:
         q: (B, S, Hq, D), possibly a strided view (only the last dim need be unit-stride).
         k: (B, S, Hkv, D), same batch, seq, head_dim and dtype as q.
-        cos, sin: (B, S, D), (1, S, D) or (S, D); fp32 or the model dtype. No gradient flows to them.
+        cos, sin: (B, S, R), (1, S, R) or (S, R) with R <= D even: the first R channels rotate (partial
+            rotary when R < D), the others pass. fp32 or the model dtype. No gradient flows to them.
+        interleaved: GPT-J pairs (2i, 2i + 1) with ``cos[..., :R/2]`` (GLM) instead of rotate-half.
     Returns:
         (q_rot, k_rot): fresh contiguous (B, S, Hq, D) and (B, S, Hkv, D) tensors in q's dtype.
     """
     _check(q, k, cos, sin)
     if not use_triton(q):
-        return rope_reference(q, k, cos, sin)
-    return RoPEFunction.apply(q, k, cos, sin)
+        return rope_reference(q, k, cos, sin, interleaved)
+    return RoPEFunction.apply(q, k, cos, sin, bool(interleaved))
+
+
+def _check_packed(op: str, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> int:
+    if qkv.dim() != 3:
+        raise ValueError(f"{op}: qkv must be (batch, seq, (Hq + 2*Hkv) * head_dim), got {tuple(qkv.shape)}")
+    heads = num_q_heads + 2 * num_kv_heads
+    if num_q_heads < 1 or num_kv_heads < 1 or qkv.shape[-1] % heads:
+        raise ValueError(f"{op}: last dim {qkv.shape[-1]} is not (Hq + 2*Hkv) * head_dim for "
+                         f"Hq={num_q_heads}, Hkv={num_kv_heads}")
+    if qkv.stride(-1) != 1:
+        raise ValueError(f"{op}: qkv must have a unit last stride")
+    return heads
+
+
+def _write_back(qkv: torch.Tensor, q_rot: torch.Tensor, k_rot: torch.Tensor, heads: int) -> torch.Tensor:
+    """The reference path of the in-place ops: out of place under autograd, else copied into qkv."""
+    q, k, _ = _split_heads(qkv, q_rot.shape[2], k_rot.shape[2])
+    if qkv.requires_grad and torch.is_grad_enabled():  # autograd needs an out-of-place form
+        return torch.cat([q_rot, k_rot, qkv.view(q.shape[:2] + (heads, -1))[:, :, q.shape[2] + k.shape[2]:]],
+                         dim=2).flatten(2)
+    with torch.no_grad():
+        q.copy_(q_rot)
+        k.copy_(k_rot)
+    return qkv
 
 
 def apply_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
-                    num_kv_heads: int) -> torch.Tensor:
+                    num_kv_heads: int, interleaved: bool = False) -> torch.Tensor:
     """Rotate the q and k heads of a packed q/k/v projection output **in place**; returns ``qkv``.
 
     For blocks that own the projection's output buffer: the rotated q and k take no new memory, so
@@ -296,28 +637,53 @@ def apply_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num
     Args:
         qkv: (B, S, (Hq + 2*Hkv) * D) with unit last stride, heads ordered q, k, v (the layout of a
             fused projection); not a view (the projection's own output).
-        cos, sin: as in :func:`apply_rope`.
+        cos, sin: as in :func:`apply_rope` (R <= D channels rotate).
         num_q_heads, num_kv_heads: Hq and Hkv.
+        interleaved: GPT-J pairs, as in :func:`apply_rope`.
     Returns:
         ``qkv``, with its q and k heads rotated; view it as (B, S, Hq + 2*Hkv, D) to split heads.
     """
-    if qkv.dim() != 3:
-        raise ValueError(f"apply_rope_qkv_: qkv must be (batch, seq, (Hq + 2*Hkv) * head_dim), got {tuple(qkv.shape)}")
-    heads = num_q_heads + 2 * num_kv_heads
-    if num_q_heads < 1 or num_kv_heads < 1 or qkv.shape[-1] % heads:
-        raise ValueError(f"apply_rope_qkv_: last dim {qkv.shape[-1]} is not (Hq + 2*Hkv) * head_dim for "
-                         f"Hq={num_q_heads}, Hkv={num_kv_heads}")
-    if qkv.stride(-1) != 1:
-        raise ValueError("apply_rope_qkv_: qkv must have a unit last stride")
+    heads = _check_packed("apply_rope_qkv_", qkv, num_q_heads, num_kv_heads)
     q, k, _ = _split_heads(qkv, num_q_heads, num_kv_heads)
     _check(q, k, cos, sin)
     if not use_triton(qkv):
-        q_rot, k_rot = rope_reference(q, k, cos, sin)
-        if qkv.requires_grad and torch.is_grad_enabled():  # autograd needs an out-of-place form
-            return torch.cat([q_rot, k_rot, qkv.view(q.shape[:2] + (heads, -1))[:, :, q.shape[2] + k.shape[2]:]],
-                             dim=2).flatten(2)
-        with torch.no_grad():
-            q.copy_(q_rot)
-            k.copy_(k_rot)
-        return qkv
-    return RoPEQKVInplaceFunction.apply(qkv, cos, sin, int(num_q_heads), int(num_kv_heads))
+        return _write_back(qkv, *rope_reference(q, k, cos, sin, interleaved), heads)
+    return RoPEQKVInplaceFunction.apply(qkv, cos, sin, int(num_q_heads), int(num_kv_heads), bool(interleaved))
+
+
+def apply_qk_norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                            num_kv_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float = 1e-6,
+                            offset: float = 0.0, casting: str = "llama", interleaved: bool = False) -> torch.Tensor:
+    """RMSNorm over each q head and each k head, then RoPE, of a packed q/k/v projection output, **in
+    place** in one pass (Qwen3's / Gemma 3's ``q_norm`` / ``k_norm`` before the rotation); returns ``qkv``.
+
+    ``q = rope(rms_norm(q_head, q_weight))``, ``k = rope(rms_norm(k_head, k_weight))``, v untouched; norm
+    rounding as :func:`kernels.rms_norm` (``casting``, ``offset``). As :func:`apply_rope_qkv_`, the result
+    takes no new buffer; for backward it keeps the q / k heads as read and one rstd per head.
+
+    Args:
+        qkv: (B, S, (Hq + 2*Hkv) * D), contiguous, heads ordered q, k, v.
+        cos, sin: as in :func:`apply_rope`.
+        num_q_heads, num_kv_heads: Hq and Hkv.
+        q_weight, k_weight: (D,) norm weights.
+    Returns:
+        ``qkv``, q and k heads normed and rotated.
+    """
+    heads = _check_packed("apply_qk_norm_rope_qkv_", qkv, num_q_heads, num_kv_heads)
+    q, k, _ = _split_heads(qkv, num_q_heads, num_kv_heads)
+    _check(q, k, cos, sin)
+    D = q.shape[-1]
+    if q_weight.shape != (D,) or k_weight.shape != (D,):
+        raise ValueError(f"apply_qk_norm_rope_qkv_: q/k norm weights must be (head_dim,) = ({D},), got "
+                         f"{tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
+    if casting not in ("llama", "gemma"):
+        raise ValueError(f"apply_qk_norm_rope_qkv_: casting must be 'llama' or 'gemma', got {casting!r}")
+    check_same_device(qkv, q_weight, k_weight)
+    if not use_triton(qkv):
+        ref = qk_norm_rope_reference(q, k, cos, sin, q_weight, k_weight, eps, offset, casting, interleaved)
+        return _write_back(qkv, *ref, heads)
+    if not qkv.is_contiguous():
+        raise ValueError("apply_qk_norm_rope_qkv_: qkv must be contiguous")
+    return QKNormRoPEQKVInplaceFunction.apply(qkv, cos, sin, q_weight, k_weight, int(num_q_heads),
+                                              int(num_kv_heads), float(eps), float(offset),
+                                              0 if casting == "llama" else 1, bool(interleaved))

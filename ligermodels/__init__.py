@@ -21,10 +21,14 @@ from ligermodels.families import (
     FAMILIES,
     AutoLigerModel,
     LigerGemma,
+    LigerGemma2,
+    LigerGemma3,
+    LigerGlm4,
     LigerLlama,
     LigerMistral,
     LigerPhi3,
     LigerQwen2,
+    LigerQwen3,
     UnsupportedConfigError,
     config_from_hf,
     config_to_hf,
@@ -37,6 +41,7 @@ from ligermodels.tokenizer import load_tokenizer
 __all__ = [
     "AttentionMask", "causal_attention", "MLP", "Attention", "DecoderLayer", "RMSNorm", "RotaryEmbedding",
     "DecoderConfig", "CUDAGraphStep", "FAMILIES", "AutoLigerModel", "LigerGemma", "LigerLlama", "LigerMistral",
-    "LigerPhi3", "LigerQwen2", "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
+    "LigerPhi3", "LigerQwen2", "LigerQwen3", "LigerGemma2", "LigerGemma3", "LigerGlm4",
+    "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
     "document_ids_from_positions", "RopeConfig", "KVCache", "generate", "sample_next", "load_tokenizer",
 ]

@@ -17,6 +17,11 @@ document masking, through PyTorch's fused attention kernels.
 
 A query at position q sees a key at position k when ``k <= q``, ``q - k < window`` and both lie in
 the same document (HF's sliding-window convention: the window counts the query itself).
+
+Attention logit soft-capping (Gemma 2), ``scores = cap * tanh(scale * q.k / cap)`` before the mask and
+the softmax, is something SDPA cannot express: on CUDA (longer than one block, no dropout) it is
+FlexAttention's ``score_mod`` on the same block mask (plain causal attention then gets a causal block
+mask); elsewhere an exact dense computation with HF's arithmetic (``softcap_attention``).
 """
 
 from __future__ import annotations
@@ -156,17 +161,53 @@ _compiled_flex = None
 FLEX_MIN_SEQ = 128
 
 
-def _flex_attention(q, k, v, block_mask, scale, enable_gqa):
+_softcap_mods: dict = {}
+
+
+def _softcap_mod(cap: float):
+    """FlexAttention score_mod ``cap * tanh(score / cap)`` (one function per cap, so compiled graphs are reused)."""
+    if cap not in _softcap_mods:
+        def softcap(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+
+        _softcap_mods[cap] = softcap
+    return _softcap_mods[cap]
+
+
+def _flex_attention(q, k, v, block_mask, scale, enable_gqa, softcap=None):
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
 
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    mod = None if softcap is None else _softcap_mod(softcap)
+    return _compiled_flex(q, k, v, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                      scale: float | None, softcap: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Dense attention with logit soft-capping, HF Gemma 2's eager arithmetic (the CPU / dropout path).
+
+    q (B, Hq, Sq, D), k / v (B, Hkv, Sk, D) (heads first, as SDPA), ``allowed`` (B or 1, 1, Sq, Sk) bool.
+    ``softmax(mask(cap * tanh(q.k * scale / cap)))`` in fp32, rounded to q's dtype, then dropout and @ v.
+    Returns (B, Hq, Sq, D). Every query row needs one allowed key.
+    """
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qg = q.reshape(b, hkv, g * sq, d)  # the G query heads sharing a kv head, stacked: k / v are not repeated
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
+    scores = (torch.tanh(scores / softcap) * softcap).view(b, hkv, g, sq, -1)
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p > 0.0:
+        p = F.dropout(p, p=dropout_p)
+    return torch.matmul(p.view(b, hkv, g * sq, -1), v).view(b, hq, sq, d)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None,
-                     window: int | None = None, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+                     window: int | None = None, scale: float | None = None, dropout_p: float = 0.0,
+                     softcap: float | None = None) -> torch.Tensor:
     """Causal grouped-query attention.
 
     Args:
@@ -175,14 +216,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
             applies, through a mask built for this call).
         window: sliding window in tokens, or None.
         scale: softmax scale (default D ** -0.5).
+        softcap: attention logit soft-capping ``cap * tanh(scores / cap)`` (Gemma 2), or None.
     Returns:
         (B, S, Hq, D), contiguous when the fused kernels produce it so (flash/cuDNN do).
     """
     gqa = q.shape[2] != k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if mask is None and window is not None and window < q.shape[1]:
+    if mask is None and (softcap is not None or window is not None and window < q.shape[1]):
         mask = AttentionMask(q.shape[1])  # a window shorter than the sequence needs a mask, document or not
-    if mask is None or not mask.needs_mask(window):
+    if softcap is not None:  # SDPA has no soft-capping: FlexAttention's score_mod, or the dense computation
+        if q.is_cuda and dropout_p == 0.0 and q.shape[1] > FLEX_MIN_SEQ:
+            o = _flex_attention(qt, kt, vt, mask.block_mask(window, q.shape[0], q.device), scale, gqa, softcap)
+        else:
+            o = softcap_attention(qt, kt, vt, mask.allowed(window, q.device), scale, softcap, dropout_p)
+    elif mask is None or not mask.needs_mask(window):
         with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,
                                                enable_gqa=gqa)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels import apply_rope_qkv_, fused_add_rms_norm, glu_linear, rms_norm, rms_norm_linear
+from kernels import apply_qk_norm_rope_qkv_, apply_rope_qkv_, fused_add_rms_norm, glu_linear, rms_norm, rms_norm_linear
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.rope import RopeConfig, inv_freq, rope_cos_sin
@@ -104,7 +104,9 @@ class Attention(nn.Module):
     (B, S, H) -> (B, S, H). ``forward(x)`` is ``attend(qkv(x))``; a decoder layer calls ``attend``
     on the projection it computed together with its norm. The q/k/v projection output
     (B, S, (Hq + 2*Hkv) * D) gets its q and k heads rotated in place, and is then viewed as
-    (B, S, Hq + 2*Hkv, D) and split along heads (views, no copies).
+    (B, S, Hq + 2*Hkv, D) and split along heads (views, no copies). With ``config.qk_norm`` each q and k
+    head is first normalised (``q_norm`` / ``k_norm``, (D,) weights) in the same in-place pass
+    (:func:`kernels.apply_qk_norm_rope_qkv_`). ``config.attn_softcap`` soft-caps the attention logits.
     With a ``cache`` (generation), the new k/v are written into it and attention reads it instead.
     """
 
@@ -113,8 +115,12 @@ class Attention(nn.Module):
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.window, self.scale, self.dropout = window, c.attn_scale, c.attention_dropout
+        self.softcap, self.interleaved = c.attn_softcap, c.rope_interleaved
         self.qkv = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias)
         self.o = nn.Linear(c.q_size, c.hidden_size, bias=c.o_bias)
+        norm = dict(eps=c.norm_eps, offset=c.norm_offset, casting=c.norm_casting)
+        self.q_norm = RMSNorm(c.head_dim, **norm) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, **norm) if c.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -125,13 +131,19 @@ class Attention(nn.Module):
                mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
         """(B, S, (Hq + 2*Hkv) * D) q/k/v projection output (rotated in place) -> (B, S, H)."""
         b, s, _ = qkv.shape
-        qkv = apply_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads)
+        if self.q_norm is not None:
+            qn, kn = self.q_norm, self.k_norm
+            qkv = apply_qk_norm_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads, qn.weight, kn.weight,
+                                          qn.eps, qn.offset, qn.casting, self.interleaved)
+        else:
+            qkv = apply_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.interleaved)
         qkv = qkv.view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         if cache is not None:  # generation: store k/v in the cache, attend over it
-            o = cache.attend(q, k, v, mask, self.window, self.scale)
+            o = cache.attend(q, k, v, mask, self.window, self.scale, self.softcap)
         else:
-            o = causal_attention(q, k, v, mask, self.window, self.scale, self.dropout if self.training else 0.0)
+            o = causal_attention(q, k, v, mask, self.window, self.scale, self.dropout if self.training else 0.0,
+                                 self.softcap)
         return self.o(o.reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -168,7 +180,9 @@ class DecoderLayer(nn.Module):
     ``forward(x, residual, ...)`` takes the previous block's output ``x`` and the residual stream
     (None for the first layer, where ``x`` is the embedding) and returns (mlp output, residual);
     the caller's next norm adds the two. ``cache`` is this layer's KV cache during generation.
-    Each norm runs together with the projection it feeds (:meth:`RMSNorm.project`).
+    Each norm runs together with the projection it feeds (:meth:`RMSNorm.project`). With
+    ``config.post_norms`` ("sandwich" norms: Gemma 2 / 3, GLM-4) the attention and MLP outputs are
+    normalised again (``post_attn_norm``, ``post_mlp_norm``) before they join the residual stream.
     """
 
     def __init__(self, config: DecoderConfig, layer_idx: int = 0):
@@ -179,6 +193,8 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(c, window=c.layer_windows[layer_idx])
         self.mlp_norm = RMSNorm(c.hidden_size, **norm)
         self.mlp = MLP(c)
+        self.post_attn_norm = RMSNorm(c.hidden_size, **norm) if c.post_norms else None
+        self.post_mlp_norm = RMSNorm(c.hidden_size, **norm) if c.post_norms else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask | None = None, cache: LayerKVCache | None = None
@@ -188,8 +204,13 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = self.attn_norm.project(self.attn.qkv, x, residual)
         a = self.attn.attend(qkv, cos, sin, mask, cache)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
         gate_up, residual = self.mlp_norm.project(self.mlp.gate_up, a, residual)
-        return self.mlp.glu_down(gate_up), residual
+        out = self.mlp.glu_down(gate_up)
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        return out, residual
 
 
 def init_linear_(module: nn.Module, std: float) -> None:

@@ -35,6 +35,16 @@ class DecoderConfig:
         embed_scale: multiply embeddings by this (rounded to the compute dtype, as HF Gemma does), or None.
         attn_scale: softmax scale; None means head_dim ** -0.5.
         attention_dropout: dropout on attention probabilities in training mode.
+        qk_norm: RMSNorm over each query and key head (weights ``attn.q_norm`` / ``attn.k_norm``, (D,)), with the
+            config's eps / offset / casting, before the rotary embedding (Qwen3, Gemma 3).
+        post_norms: "sandwich" norms: an RMSNorm on the attention output and on the MLP output before each is
+            added to the residual stream (``post_attn_norm`` / ``post_mlp_norm``; Gemma 2 / 3, GLM-4).
+        attn_softcap: attention logits become ``cap * tanh(scores / cap)`` before the mask and softmax, or None.
+        final_softcap: output logits (``forward`` and the loss) become ``cap * tanh(logits / cap)``, or None.
+        rope_interleaved: rotary pairs are interleaved channels (2i, 2i + 1) (GPT-J / GLM) instead of
+            rotate-half (i, i + R/2). Partial rotary is ``rope.partial_rotary_factor``.
+        local_rope: rotary parameters of the layers with a window (Gemma 3's sliding layers); None means ``rope``
+            on every layer.
         max_position_embeddings: longest sequence the checkpoint was trained for.
         pad_token_id: the embedding's padding row, as HF's ``nn.Embedding(padding_idx=pad_token_id)``:
             it receives no gradient (and starts at zero when training from scratch); None for none.
@@ -67,6 +77,12 @@ class DecoderConfig:
     attention_dropout: float = 0.0
     max_position_embeddings: int = 4096
     pad_token_id: int | None = None
+    qk_norm: bool = False
+    post_norms: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope_interleaved: bool = False
+    local_rope: RopeConfig | None = None
     model_type: str = "llama"
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -89,6 +105,12 @@ class DecoderConfig:
         if self.rope.head_dim != self.head_dim:  # cos/sin are built for the rope's head_dim
             raise ValueError(f"rope.head_dim {self.rope.head_dim} != head_dim {self.head_dim}: give "
                              f"RopeConfig(head_dim={self.head_dim}, ...)")
+        if self.local_rope is not None and self.local_rope.head_dim != self.head_dim:
+            raise ValueError(f"local_rope.head_dim {self.local_rope.head_dim} != head_dim {self.head_dim}")
+        for name in ("attn_softcap", "final_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and not cap > 0:
+                raise ValueError(f"{name} must be > 0 or None, got {cap}")
         if self.layer_windows is None:
             self.layer_windows = (self.sliding_window,) * self.num_layers
         self.layer_windows = tuple(self.layer_windows)
@@ -117,7 +139,7 @@ class DecoderConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias
         mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + 2 * h * self.post_norms + 2 * self.head_dim * self.qk_norm
         n = self.num_layers * per_layer + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_embeddings else 2)

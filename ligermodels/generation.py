@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ligermodels.attention import AttentionMask, causal_attention
+from ligermodels.attention import AttentionMask, causal_attention, softcap_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.model import CausalLM
 
@@ -133,8 +133,9 @@ class LayerKVCache:
         self.step, self.layer = step, layer
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None,
-               window: int | None, scale: float | None) -> torch.Tensor:
-        """q (B, s, Hq, D), new k/v (B, s, Hkv, D) -> attention output (B, s, Hq, D).
+               window: int | None, scale: float | None, softcap: float | None = None) -> torch.Tensor:
+        """q (B, s, Hq, D), new k/v (B, s, Hkv, D) -> attention output (B, s, Hq, D) (``softcap``: logit
+        soft-capping, as :func:`causal_attention`).
 
         ``mask`` is the forward's :class:`AttentionMask`, used by prefill steps only.
         """
@@ -143,23 +144,27 @@ class LayerKVCache:
         kc.index_copy_(1, st.slots, k)
         vc.index_copy_(1, st.slots, v)
         if st.prefill:
-            return causal_attention(q, k, v, mask, window, scale)
-        return cached_attention(q, kc, vc, st.allowed(window), scale)
+            return causal_attention(q, k, v, mask, window, scale, softcap=softcap)
+        return cached_attention(q, kc, vc, st.allowed(window), scale, softcap)
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Grouped-query attention of new queries over cache buffers.
 
     Args:
         q: (B, s, Hq, D) contiguous; k, v: (B, L, Hkv, D) (last dim unit-stride).
         allowed: (B, 1, s, L) bool, True where a query may read a key; every row needs one True.
         scale: softmax scale (default D ** -0.5).
+        softcap: attention logit soft-capping (Gemma 2), computed densely by :func:`softcap_attention`.
     Returns:
         (B, s, Hq, D). The G = Hq / Hkv query heads sharing a kv head become the query axis of one
         SDPA call per kv head (a view when s == 1), so k/v are read once and never repeated.
     """
     b, s, hq, d = q.shape
+    if softcap is not None:
+        o = softcap_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), allowed, scale, softcap)
+        return o.transpose(1, 2)
     hkv, length = k.shape[2], k.shape[1]
     g = hq // hkv
     if s == 1:
@@ -230,7 +235,7 @@ def _filtered(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> t
 # ----------------------------------------------------------------------------------- forwards
 def _last_logits(model: CausalLM, h: torch.Tensor) -> torch.Tensor:
     """fp32 logits (B, V) of the last position only."""
-    return F.linear(h[:, -1], model.head_weight).float()
+    return model.logits(h[:, -1]).float()
 
 
 def prefill(model: CausalLM, cache: KVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,

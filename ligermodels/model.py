@@ -29,6 +29,8 @@ class CausalLM(nn.Module):
     ``layers.{i}.attn.qkv.{weight,bias}`` ((Hq+2*Hkv)*D, H), ``layers.{i}.attn.o.weight`` (H, Hq*D),
     ``layers.{i}.mlp_norm.weight``, ``layers.{i}.mlp.gate_up.weight`` (2*I, H),
     ``layers.{i}.mlp.down.weight`` (H, I); ``norm.weight`` (H,); ``head.weight`` (V, H) unless tied.
+    With ``qk_norm``: ``layers.{i}.attn.q_norm.weight``, ``layers.{i}.attn.k_norm.weight`` (D,); with
+    ``post_norms``: ``layers.{i}.post_attn_norm.weight``, ``layers.{i}.post_mlp_norm.weight`` (H,).
     """
 
     def __init__(self, config: DecoderConfig):
@@ -36,6 +38,8 @@ class CausalLM(nn.Module):
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
         self.rotary = RotaryEmbedding(c.rope)
+        #: the rotary tables of the layers with a window, when they differ (Gemma 3's local base frequency)
+        self.rotary_local = None if c.local_rope is None else RotaryEmbedding(c.local_rope)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.norm_offset, c.norm_casting)
         self.head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -54,6 +58,8 @@ class CausalLM(nn.Module):
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (rotary frequencies) after materialising from meta."""
         self.rotary.reset_parameters()
+        if self.rotary_local is not None:
+            self.rotary_local.reset_parameters()
 
     # --------------------------------------------------------------------------------- forward
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -75,16 +81,24 @@ class CausalLM(nn.Module):
         if self.config.embed_scale is not None:  # HF Gemma rounds the scale to the compute dtype first
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary(position_ids)
+        local = (cos, sin) if self.rotary_local is None else self.rotary_local(position_ids)
         mask = AttentionMask(s, document_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, mask, None if cache is None else cache[i])
+            c, sn = local if self.config.layer_windows[i] is not None else (cos, sin)
+            x, residual = layer(x, residual, c, sn, mask, None if cache is None else cache[i])
         return self.norm(x, residual)[0]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Output logits (..., V) of final hidden states (..., H): the head, then ``final_softcap`` if set."""
+        z = F.linear(h, self.head_weight)
+        cap = self.config.final_softcap
+        return z if cap is None else torch.tanh(z / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, S, V) in the parameter dtype."""
-        return F.linear(self.hidden_states(input_ids, position_ids, document_ids), self.head_weight)
+        """Logits (B, S, V) in the parameter dtype (soft-capped when the config says so)."""
+        return self.logits(self.hidden_states(input_ids, position_ids, document_ids))
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items: int | torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
@@ -96,9 +110,11 @@ class CausalLM(nn.Module):
         non-ignored tokens, or over ``num_items`` when given (gradient accumulation / data
         parallelism). ``loss_options`` (label_smoothing, lse_square_scale, softcap, reduction, strategy) go
         to :func:`kernels.fused_linear_cross_entropy`; ``strategy="vocab"`` trades one more GEMM of the
-        head for no fp32 (V, H) weight-gradient buffer.
+        head for no fp32 (V, H) weight-gradient buffer. ``softcap`` defaults to the config's ``final_softcap``.
         """
         h = self.hidden_states(input_ids, position_ids, document_ids)
+        if self.config.final_softcap is not None:
+            loss_options.setdefault("softcap", self.config.final_softcap)
         target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
         return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight, target.reshape(-1),
                                           ignore_index=ignore_index, num_items=num_items, **loss_options)

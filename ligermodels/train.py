@@ -283,13 +283,19 @@ RESUME_INPUTS = {"data_sha256": "the tokenized --data (SHA-256)", "model_sha256"
                  "global_rows": "--batch-size x ranks x --grad-accum"}  # the counts: what older checkpoints hold
 
 
+#: DecoderConfig fields added after checkpoints were first written: left out of the config hash while at their
+#: defaults, so the runs of models without them resume as before.
+_LATER_FIELDS = ("qk_norm", "post_norms", "attn_softcap", "final_softcap", "rope_interleaved", "local_rope")
+
+
 def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
     """The RESUME_INPUTS values of this run: hashes of the tokenized documents and of the model config."""
     data = hashlib.sha256()
     for doc in inputs.documents:
         data.update(array("q", [len(doc.ids), doc.no_loss, *doc.ids]).tobytes())
-    config = {f.name: getattr(inputs.config, f.name) for f in dataclasses.fields(inputs.config)
-              if f.name != "hf_config"}
+    c = inputs.config
+    config = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)
+              if f.name != "hf_config" and not (f.name in _LATER_FIELDS and getattr(c, f.name) == f.default)}
     return {"data_sha256": data.hexdigest(), "model_sha256": hashlib.sha256(repr(config).encode()).hexdigest(),
             "data_documents": len(inputs.documents), "data_tokens": sum(len(d.ids) for d in inputs.documents),
             "global_rows": global_rows}
@@ -394,6 +400,7 @@ if hasattr(torch.ops, "higher_order") and hasattr(torch.ops.higher_order, "flex_
 # The rotary embedding rotates the saved q/k/v projection output in place, so the cached output
 # already holds the rotated values: "saving" the in-place op means not running it a second time.
 _SAVED_OPS.add(torch.ops.ligermodels.rope_qkv_.default)
+_SAVED_OPS.add(torch.ops.ligermodels.qk_norm_rope_qkv_.default)  # the same in place, with q/k head norms (Qwen3)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

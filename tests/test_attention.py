@@ -25,8 +25,8 @@ if DEVICE.type == "cuda":  # longer than one FlexAttention block: the block-spar
     CASES |= {"causal_long": (2, 300, 8, 2, 128, None, False), "window_documents_long": (1, 300, 4, 2, 64, 50, True)}
 
 
-def reference(q, k, v, window, doc):
-    """Dense float64 attention with repeated k/v: (B, S, Hq, D)."""
+def reference(q, k, v, window, doc, softcap=None, scale=None):
+    """Dense float64 attention with repeated k/v (and HF Gemma 2's logit soft-capping): (B, S, Hq, D)."""
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -38,7 +38,9 @@ def reference(q, k, v, window, doc):
     ok = ok[None, None]
     if doc is not None:
         ok = ok & (doc[:, None, :, None] == doc[:, None, None, :])
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     p = scores.masked_fill(~ok, float("-inf")).softmax(-1)
     return (p @ v).transpose(1, 2)
 
@@ -152,3 +154,42 @@ def test_document_block_mask_equals_flex_attentions_own(seq, window):
         ours = document_block_mask(d, window, seq, 3, torch.device("cpu"))
         for a, b, what in zip(_block_sets(ours), _block_sets(theirs), ("partial", "full"), strict=True):
             assert torch.equal(a, b), (what, d is None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_softcapped_attention_matches_float64_forward_and_gradients(case, dtype):
+    """Attention logit soft-capping (Gemma 2) on every path: plain causal, window, documents (FlexAttention's
+    score_mod on CUDA past one block, the dense computation elsewhere), GQA, a custom scale."""
+    b, s, hq, hkv, d, window, docs = CASES[case]
+    qkv = randn(b, s, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0, seed=7).requires_grad_()
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    doc = _documents(b, s) if docs else None
+    mask = AttentionMask(s, doc) if docs else None
+    out = causal_attention(q, k, v, mask=mask, window=window, scale=0.3, softcap=2.5)
+    grad = randn(*out.shape, dtype=dtype, seed=8)
+    (out * grad).sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, window, doc, softcap=2.5, scale=0.3)
+    (ref * grad.double()).sum().backward()
+    ref_grad = torch.cat([t.grad.flatten(-2) for t in (q64, k64, v64)], dim=-1)
+    bound = 1e-5 if dtype == torch.float32 else 1.5e-2
+    assert_rel(out, ref, dtype, f"{case} softcapped output", bound)
+    assert_rel(qkv.grad, ref_grad, dtype, f"{case} softcapped d(qkv)", bound)
+    assert rel_err(out, reference(q64, k64, v64, window, doc, scale=0.3)) > 10 * bound, "soft-capping had no effect"
+
+
+def test_cached_attention_softcap_matches_reference():
+    """The decode path (new queries over a cache buffer with a bool mask) soft-caps as the training path."""
+    from ligermodels.generation import cached_attention
+
+    b, s, length, hq, hkv, d = 2, 3, 9, 4, 2, 32
+    q, k, v = randn(b, s, hq, d, seed=1, scale=2.0), randn(b, length, hkv, d, seed=2), randn(b, length, hkv, d, seed=3)
+    allowed = torch.rand(b, 1, s, length, generator=torch.Generator().manual_seed(4)).to(DEVICE) < 0.6
+    allowed[..., 0] = True
+    out = cached_attention(q, k, v, allowed, 0.25, softcap=1.5)
+    q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
+    k64, v64 = k64.repeat_interleave(2, 1), v64.repeat_interleave(2, 1)
+    scores = 1.5 * torch.tanh((q64 @ k64.transpose(-1, -2)) * 0.25 / 1.5)
+    ref = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v64).transpose(1, 2)
+    assert_rel(out, ref, torch.float32, "cached softcapped attention", 1e-5)

@@ -35,7 +35,8 @@ def _edit_tensors(path, fn):
 
 def test_unsupported_model_type_lists_the_supported_ones(ckpt):
     _edit_config(ckpt, model_type="gpt2")
-    with pytest.raises(UnsupportedConfigError, match="'gpt2'.*gemma, llama, mistral, phi3, qwen2"):
+    supported = "gemma, gemma2, gemma3, gemma3_text, glm4, llama, mistral, phi3, qwen2, qwen3"
+    with pytest.raises(UnsupportedConfigError, match=f"'gpt2'.*{supported}"):
         load_hf(str(ckpt))
 
 
@@ -75,7 +76,9 @@ def test_missing_directory_and_offline_repo_id_are_named(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("field,value,family", [
     ("resid_pdrop", 0.1, "phi3"), ("hidden_act", "relu", "llama"), ("use_bidirectional_attention", True, "gemma"),
-    ("partial_rotary_factor", 0.5, "phi3"), ("layer_types", ["sliding_attention"], "qwen2"),
+    ("partial_rotary_factor", 0.5, "llama"), ("layer_types", ["sliding_attention"], "qwen2"),
+    ("layer_types", ["chunked_attention"], "qwen3"), ("use_bidirectional_attention", True, "gemma3_text"),
+    ("partial_rotary_factor", 0.5, "gemma2"),
 ])
 def test_math_changing_config_fields_are_refused_by_name(field, value, family):
     cfg = dict(model_type=family, vocab_size=10, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

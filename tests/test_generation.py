@@ -26,7 +26,8 @@ from tests.utils import DEVICE, assert_triton_runs
 NEW = 8
 PAD = 0
 BATCHED = ("llama_gqa_untied", "qwen2_bias_tied_sliding", "mistral_sliding_headdim", "phi3_longrope",
-           "gemma_tied_headdim")
+           "gemma_tied_headdim", "qwen3_tied_sliding_bias", "phi3_partial_rotary", "gemma2_tied_softcap_sliding",
+           "gemma3_tied_two_ropes", "glm4_bias_untied")
 
 
 def _prompts(vocab: int, batched: bool, seq: int = 6, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +69,7 @@ def test_greedy_matches_transformers(case, tmp_path):
     assert out.shape == (ids.shape[0], ids.shape[1] + NEW)
     if case == "phi3_longrope":  # the generated sequence crosses original_max_position_embeddings
         assert ids.shape[1] <= ours.config.rope.original_max < out.shape[1]
-    if case.startswith(("mistral", "qwen2_bias")):  # the window is shorter than the sequence
+    if case.startswith(("mistral", "qwen2_bias", "qwen3_tied", "gemma2_tied", "gemma3")):  # window < sequence
         assert min(w for w in ours.config.layer_windows if w) < out.shape[1]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels.rope as rope_mod
-from kernels.rope import apply_rope, apply_rope_qkv_, rope_reference
+from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_, rope_reference
 from tests.utils import DEVICE, assert_rel, assert_triton_runs, assert_unchanged, randn, rel_err, snapshot
 
 
@@ -266,7 +266,9 @@ def test_rope_rejects_bad_shapes():
     with pytest.raises(ValueError, match="even"):
         apply_rope(z(2, 5, 4, 63), z(2, 5, 2, 63), z(5, 63), z(5, 63))
     with pytest.raises(ValueError, match="cos/sin head_dim"):
-        apply_rope(q, k, z(2, 5, 32), z(2, 5, 32))
+        apply_rope(q, k, z(2, 5, 128), z(2, 5, 128))
+    with pytest.raises(ValueError, match="even"):
+        apply_rope(q, k, z(2, 5, 31), z(2, 5, 31))
     with pytest.raises(ValueError, match="cos/sin seq"):
         apply_rope(q, k, z(2, 4, 64), z(2, 4, 64))
     with pytest.raises(ValueError, match="cos/sin batch"):
@@ -275,3 +277,146 @@ def test_rope_rejects_bad_shapes():
         apply_rope(q, k, z(2, 5, 64), z(5, 64))
     with pytest.raises(ValueError, match="dtype"):
         apply_rope(q, z(2, 5, 2, 64, dtype=torch.bfloat16), cs, cs)
+
+
+# ------------------------------------------------------- partial and interleaved rotary; q/k head norm + rope
+def _hf_rope64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """transformers' Phi-3 / GLM-4 apply_rotary_pos_emb on the (B, S, H, D) layout, in float64: the first
+    R = cos.shape[-1] channels rotate (GLM: GPT-J pairs with cos[..., :R/2] repeated), the rest pass."""
+    x, c, s = x.double(), cos.double().unsqueeze(-2), sin.double().unsqueeze(-2)
+    rd = c.shape[-1]
+    if interleaved:
+        c = c[..., : rd // 2].repeat_interleave(2, dim=-1)
+        s = s[..., : rd // 2].repeat_interleave(2, dim=-1)
+    xr, xp = x[..., :rd], x[..., rd:]
+    rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2) if interleaved else _rotate_half(xr)
+    return torch.cat((xr * c + rot * s, xp), dim=-1)
+
+
+def _rms64(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.double())
+
+
+PARTIAL_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim)
+    (2, 5, 6, 2, 40, 30),   # Phi-4-mini's 3/4 of the head, halves not powers of two
+    (1, 7, 3, 3, 24, 12),   # GLM-4's half
+    (3, 3, 10, 2, 18, 18),  # whole head, odd pair count
+]
+
+
+@pytest.mark.parametrize("case", PARTIAL_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_partial_and_interleaved_rope_match_float64(case, interleaved, dtype):
+    """apply_rope and apply_rope_qkv_ with cos/sin narrower than the head (partial rotary) and GPT-J pairs:
+    forward and gradients against transformers' formula in float64; the channels past R pass unchanged."""
+    B, S, hq, hkv, d, rd = case
+    seed = zlib.crc32(repr(("partial", case, interleaved, dtype)).encode()) % 10_000
+    leaf, q, k = _qk(B, S, hq, hkv, d, dtype, True, seed)
+    cos, sin = _cos_sin(_positions(B, S, True, seed), rd, torch.float32)
+    dq_rot = randn(B, S, hq, d, dtype=dtype, seed=seed + 2)
+    dk_rot = randn(B, S, hkv, d, dtype=dtype, seed=seed + 3)
+    assert_triton_runs(q)
+    q_rot, k_rot = apply_rope(q, k, cos, sin, interleaved=interleaved)
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (dq_rot, dk_rot))
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    rq, rk = _hf_rope64(q64, cos, sin, interleaved), _hf_rope64(k64, cos, sin, interleaved)
+    rdq, rdk = torch.autograd.grad((rq, rk), (q64, k64), (dq_rot.double(), dk_rot.double()))
+    for ours, ref, what in zip((q_rot, k_rot, dq, dk), (rq, rk, rdq, rdk), ("q_rot", "k_rot", "dq", "dk"), strict=True):
+        assert_rel(ours, ref, dtype, what)
+    assert torch.equal(q_rot[..., rd:], q.detach()[..., rd:]), "pass-through channels changed"
+
+    heads = hq + 2 * hkv
+    x = leaf.detach().reshape(B, S, heads * d).clone().requires_grad_()
+    buf = x * 1
+    out = apply_rope_qkv_(buf, cos, sin, hq, hkv, interleaved=interleaved)
+    assert out is buf
+    g = torch.cat([dq_rot, dk_rot, randn(B, S, hkv, d, dtype=dtype, seed=seed + 4)], dim=2)
+    (dx,) = torch.autograd.grad(out, x, g.flatten(2))
+    o4, dx4 = out.detach().view(B, S, heads, d), dx.view(B, S, heads, d)
+    assert torch.equal(o4[:, :, :hq], q_rot) and torch.equal(o4[:, :, hq:hq + hkv], k_rot)
+    assert torch.equal(o4[:, :, hq + hkv:], leaf.detach()[:, :, hq + hkv:]), "v heads changed"
+    assert torch.equal(dx4[:, :, :hq], dq) and torch.equal(dx4[:, :, hq:hq + hkv], dk)
+    assert torch.equal(dx4[:, :, hq + hkv:], g[:, :, hq + hkv:]), "v gradient changed"
+
+
+NORM_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim)
+    (2, 5, 6, 2, 24, 24),
+    (1, 6, 5, 1, 40, 30),
+    (3, 3, 20, 4, 64, 64),  # more q heads than one tile holds
+]
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)], ids=["qwen3", "gemma3"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qk_norm_rope_qkv_inplace_matches_float64(case, casting, offset, interleaved, dtype):
+    """The fused in-place q/k head RMSNorm + RoPE on a packed qkv: values, the qkv gradient and both weight
+    gradients against float64 (norm then transformers' rotation); v and its gradient pass unchanged."""
+    B, S, hq, hkv, d, rd = case
+    heads = hq + 2 * hkv
+    seed = zlib.crc32(repr(("qknorm", case, casting, interleaved, dtype)).encode()) % 10_000
+    x = randn(B, S, heads * d, dtype=dtype, seed=seed, scale=3.0).requires_grad_()
+    wq = (randn(d, seed=seed + 1) * 0.5 + (1 - offset)).to(dtype).requires_grad_()
+    wk = (randn(d, seed=seed + 2) * 0.5 + (1 - offset)).to(dtype).requires_grad_()
+    cos, sin = _cos_sin(_positions(B, S, True, seed), rd, torch.float32)
+    g = randn(B, S, heads * d, dtype=dtype, seed=seed + 3)
+    eps = 1e-6
+    assert_triton_runs(x)
+    before = snapshot(g, wq, wk)
+    buf = x * 1
+    ptr = buf.data_ptr()
+    out = apply_qk_norm_rope_qkv_(buf, cos, sin, hq, hkv, wq, wk, eps, offset, casting, interleaved)
+    assert out is buf and out.data_ptr() == ptr, "not in place"
+    dx, dwq, dwk = torch.autograd.grad(out, (x, wq, wk), g)
+    assert_unchanged(before, g, wq, wk)
+    assert dwq.dtype == dtype and dwk.dtype == dtype
+
+    x64 = x.detach().double().requires_grad_()
+    wq64, wk64 = wq.detach().double().requires_grad_(), wk.detach().double().requires_grad_()
+    q, k, v = x64.view(B, S, heads, d).split([hq, hkv, hkv], dim=2)
+    rq = _hf_rope64(_rms64(q, wq64, eps, offset), cos, sin, interleaved)
+    rk = _hf_rope64(_rms64(k, wk64, eps, offset), cos, sin, interleaved)
+    ref = torch.cat([rq, rk, v], dim=2).flatten(2)
+    rdx, rdwq, rdwk = torch.autograd.grad(ref, (x64, wq64, wk64), g.double())
+    bound = 1e-5 if dtype == torch.float32 else 1.5e-2
+    pairs = ((out, ref, "qkv"), (dx, rdx, "dqkv"), (dwq, rdwq, "dq_weight"), (dwk, rdwk, "dk_weight"))
+    for ours, theirs, what in pairs:
+        assert_rel(ours, theirs, dtype, what, bound=bound)
+    o4, dx4 = out.detach().view(B, S, heads, d), dx.view(B, S, heads, d)
+    assert torch.equal(o4[:, :, hq + hkv:], x.detach().view(B, S, heads, d)[:, :, hq + hkv:]), "v heads changed"
+    assert torch.equal(dx4[:, :, hq + hkv:], g.view(B, S, heads, d)[:, :, hq + hkv:]), "v gradient changed"
+
+
+def test_qk_norm_rope_reference_path_agrees(monkeypatch):
+    """Without Triton the fused op runs qk_norm_rope_reference: same values and gradients as the kernels."""
+    B, S, hq, hkv, d = 2, 5, 4, 2, 40
+    x = randn(B, S, (hq + 2 * hkv) * d, seed=31).requires_grad_()
+    wq, wk = randn(d, seed=32).requires_grad_(), randn(d, seed=33).requires_grad_()
+    cos, sin = _cos_sin(_positions(B, S, True, 31), 30, torch.float32)
+    g = randn(*x.shape, seed=34)
+    assert_triton_runs(x)
+    ours = apply_qk_norm_rope_qkv_(x * 1, cos, sin, hq, hkv, wq, wk, 1e-6, 1.0, "gemma", True)
+    d_ours = torch.autograd.grad(ours, (x, wq, wk), g)
+    monkeypatch.setattr(rope_mod, "use_triton", lambda x: False)
+    ref = apply_qk_norm_rope_qkv_(x * 1, cos, sin, hq, hkv, wq, wk, 1e-6, 1.0, "gemma", True)
+    d_ref = torch.autograd.grad(ref, (x, wq, wk), g)
+    assert_rel(ours, ref, torch.float32, "values", bound=1e-6)
+    for a, b, what in zip(d_ours, d_ref, ("dqkv", "dq_weight", "dk_weight"), strict=True):
+        assert_rel(a, b, torch.float32, what, bound=1e-5)
+    with pytest.raises(ValueError, match="head_dim"):
+        apply_qk_norm_rope_qkv_(x.detach() * 1, cos, sin, hq, hkv, wq[:-1], wk, 1e-6)
+
+
+def test_qk_norm_rope_custom_ops_pass_opcheck():
+    qkv = randn(1, 3, 8 * 32, seed=9)
+    cos, sin = _cos_sin(torch.arange(3), 24, torch.float32)
+    w = randn(32, seed=10)
+    checks = ("test_schema", "test_faketensor") if DEVICE.type == "cuda" else ("test_schema",)
+    torch.library.opcheck(torch.ops.ligermodels.qk_norm_rope_qkv_.default,
+                          (qkv.clone(), cos, sin, w, w, 4, 2, 1e-6, 0.0, 0, True), test_utils=checks)
+    xs, rs = torch.ops.ligermodels.qk_norm_rope_qkv_(qkv.clone(), cos, sin, w, w, 4, 2, 1e-6, 0.0, 0, True)
+    torch.library.opcheck(torch.ops.ligermodels.qk_norm_rope_qkv_bwd.default,
+                          (qkv.clone(), xs, rs, cos, sin, w, w, 4, 2, 0.0, True), test_utils=checks)

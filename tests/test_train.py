@@ -15,6 +15,7 @@ through the interpreter like the rest of the suite.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -687,6 +688,14 @@ def test_resume_inputs_tell_shuffled_data_and_another_architecture_apart(checkpo
     assert fingerprint(list(docs), cfg) == base
     assert fingerprint(docs[::-1], cfg)["data_sha256"] != base["data_sha256"]  # same counts, another order
     assert fingerprint(docs, cfg.replace(intermediate_size=96))["model_sha256"] != base["model_sha256"]
+    assert fingerprint(docs, cfg.replace(qk_norm=True))["model_sha256"] != base["model_sha256"]
+    # Checkpoints written before DecoderConfig grew fields keep resuming: a config without them hashes as then.
+    before = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "norm_eps", "norm_offset", "norm_casting", "activation", "qkv_bias", "o_bias", "mlp_bias",
+              "rope", "sliding_window", "layer_windows", "tie_embeddings", "embed_scale", "attn_scale",
+              "attention_dropout", "max_position_embeddings", "pad_token_id", "model_type")
+    old = hashlib.sha256(repr({k: getattr(cfg, k) for k in before}).encode()).hexdigest()
+    assert base["model_sha256"] == old
 
 
 def test_check_out_dir_refuses_a_file(tmp_path):
