@@ -127,9 +127,21 @@ class LoRALinear(nn.Linear):
 
 
 # ------------------------------------------------------------------------------------ attach / merge
+#: Name parts that wrappers insert (activation checkpointing, torch.compile, FSDP1) and state dicts drop.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _clean(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    """The adapted projections of ``model`` by their module names (``layers.0.attn.qkv`` ...)."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    """The adapted projections of ``model`` by their module names (``layers.0.attn.qkv`` ...; the parts
+    wrappers insert, such as activation checkpointing's ``_checkpoint_wrapped_module``, left out as
+    ``get_model_state_dict`` leaves them out)."""
+    return {_clean(n): m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
 def _refuse_merged(model: nn.Module, what: str) -> None:
@@ -216,9 +228,12 @@ def _blocks(m: LoRALinear):
         row += e - s
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, attr, new)
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for name, m in model.named_modules():
+        if m is old:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, new)
+            return
 
 
 @torch.no_grad()
@@ -233,18 +248,42 @@ def merge_lora(model: nn.Module) -> nn.Module:
     mods = lora_modules(model)
     if not mods:
         raise LoRAError("merge_lora: the model has no LoRA adapters")
-    for name, m in mods.items():
-        w = m.weight
-        cd = torch.float64 if w.dtype == torch.float64 else torch.float32
-        a, b = m.lora_A.to(cd), m.lora_B.to(cd)
-        for _, a_rows, s, e, b_rows in _blocks(m):
-            w[s:e] = (w[s:e].to(cd) + m.lora_scale * (b[b_rows] @ a[a_rows])).to(w.dtype)
+    for m in mods.values():
+        _merge_into(m.weight, m.lora_A, m.lora_B, m)
         plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         plain.weight, plain.bias = m.weight, m.bias
         plain.train(m.training)
-        _replace(model, name, plain)
+        _replace(model, m, plain)
     model.lora_merged = True
     return model
+
+
+def _merge_into(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: LoRALinear) -> None:
+    """W[s:e] += scale * B_t @ A_t for each target of ``m``, in fp32 (fp64 for fp64 W), rounded once."""
+    cd = torch.float64 if w.dtype == torch.float64 else torch.float32
+    a, b = a.to(w.device, cd), b.to(w.device, cd)
+    for _, a_rows, s, e, b_rows in _blocks(m):
+        w[s:e] = (w[s:e].to(cd) + m.lora_scale * (b[b_rows] @ a[a_rows])).to(w.dtype)
+
+
+@torch.no_grad()
+def merge_lora_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A full state dict (``get_model_state_dict(..., full_state_dict=True)`` of a model with adapters,
+    e.g. gathered from FSDP) with the adapters folded into the base weights as :func:`merge_lora` folds
+    them, and the ``lora_A`` / ``lora_B`` entries dropped: what ``save_hf_state`` writes as a plain
+    checkpoint. ``model`` (any rank's, sharded or not) gives the adapters' layout; ``state`` is not modified."""
+    _refuse_merged(model, "merge_lora_state")
+    mods = lora_modules(model)
+    if not mods:
+        raise LoRAError("merge_lora_state: the model has no LoRA adapters")
+    out = {k: v for k, v in state.items() if not k.endswith((".lora_A", ".lora_B"))}
+    for name, m in mods.items():
+        missing = [k for k in (f"{name}.weight", f"{name}.lora_A", f"{name}.lora_B") if k not in state]
+        if missing:
+            raise LoRAError(f"merge_lora_state: the state dict lacks {missing}")
+        w = out[f"{name}.weight"] = state[f"{name}.weight"].clone()
+        _merge_into(w, state[f"{name}.lora_A"], state[f"{name}.lora_B"], m)
+    return out
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -446,5 +485,5 @@ def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
     return model
 
 
-__all__ = ["LoRAError", "LoRALinear", "TARGETS", "PEFT_NAMES", "add_lora", "merge_lora", "save_lora", "load_lora",
-           "lora_modules", "lora_state_dict", "trainable_parameters"]
+__all__ = ["LoRAError", "LoRALinear", "TARGETS", "PEFT_NAMES", "add_lora", "merge_lora", "merge_lora_state",
+           "save_lora", "load_lora", "lora_modules", "lora_state_dict", "trainable_parameters"]

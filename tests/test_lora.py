@@ -30,6 +30,7 @@ from ligermodels.lora import (
     lora_modules,
     lora_state_dict,
     merge_lora,
+    merge_lora_state,
     save_lora,
     trainable_parameters,
 )
@@ -253,6 +254,64 @@ def test_lora_on_a_custom_model_of_blocks_and_eval_mode_has_no_dropout():
     assert all(p.grad is not None for p in trainable_parameters(net)) and len(trainable_parameters(net)) == 8
     net.eval()
     assert torch.equal(net(x), net(x))
+
+
+def test_adapters_keep_no_activation_of_their_own_for_backward():
+    """Without dropout, rms_norm_linear with adapters saves one (M, H) activation (h, as without them) and
+    glu_linear none of (M, I): the norm output / activation is written again in backward for dA."""
+    from tests.test_norm_linear import _saved_activation_bytes
+
+    x, r = randn(2, 8, 64, seed=31).requires_grad_(), randn(2, 8, 64, seed=32)
+    nw, w = randn(64, seed=33), randn(48, 64, seed=34)
+    lr = _low_rank(64, [(0, 16), (32, 48)], 4, seed=35)
+    act = x.numel() * x.element_size()
+    assert _saved_activation_bytes(lambda: rms_norm_linear(x, nw, w, None, r, low_rank=lr), x.numel()) == act
+    g = randn(2, 8, 2 * 40, seed=36).requires_grad_()
+    lr2 = _low_rank(40, [(0, 64)], 4, seed=37)
+    assert _saved_activation_bytes(lambda: glu_linear(g, randn(64, 40), None, low_rank=lr2), 2 * 8 * 40) == 0
+
+
+def test_generation_uses_the_adapters_and_merge_lora_state_equals_merge_lora():
+    model = add_lora(_tiny(), r=4, alpha=4, targets=ALL)
+    _randomize_b(model, seed=9)
+    model.eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    plain = _tiny().eval()
+    out = model.generate(ids, 6)
+    assert not torch.equal(out, plain.generate(ids, 6))  # the adapters change the completions
+    state = model.state_dict()
+    merged_state = merge_lora_state(state, model)
+    assert set(merged_state) == set(plain.state_dict())
+    merge_lora(model)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, merged_state[k]), k
+    assert torch.equal(model.generate(ids, 6), out)
+    assert not torch.equal(merged_state["layers.0.attn.qkv.weight"], plain.state_dict()["layers.0.attn.qkv.weight"])
+
+
+def test_activation_checkpointed_layers_with_dropout_give_the_same_gradients(tmp_path):
+    """The trainer's activation checkpointing (keep flags on, layers wrapped) with adapter dropout: the
+    recomputed forward draws the same masks, the gradients are the same, the native names unchanged."""
+    from ligermodels.train import apply_activation_checkpointing
+
+    model = add_lora(_tiny(), r=2, alpha=4, dropout=0.3, targets=ALL)
+    _randomize_b(model)
+    model.train()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    names = set(lora_modules(model))
+    save_lora(model, str(tmp_path / "plain"))
+    grads = {}
+    for mode in ("none", "full"):
+        apply_activation_checkpointing(model, mode)
+        torch.manual_seed(0)
+        grads[mode] = torch.autograd.grad(model.loss(ids, ids), trainable_parameters(model))
+    assert "_checkpoint_wrapped_module" in dict(model.named_modules()).__repr__()
+    assert set(lora_modules(model)) == names
+    for a, b in zip(grads["none"], grads["full"], strict=True):
+        assert rel_err(a, b) <= 1e-6
+    save_lora(model, str(tmp_path / "wrapped"))
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("plain", "wrapped"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --------------------------------------------------------------------------------------------- PEFT
