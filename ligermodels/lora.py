@@ -379,9 +379,14 @@ def save_lora(model: nn.Module, out_dir: str, state: dict[str, torch.Tensor] | N
         "layers_pattern": None,
     }
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+    # each file written under a temporary name and renamed into place, the config last
+    tmp = os.path.join(out_dir, f".{ADAPTER_WEIGHTS}.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, ADAPTER_WEIGHTS))
+    tmp = os.path.join(out_dir, f".{ADAPTER_CONFIG}.tmp")
+    with open(tmp, "w") as f:
         json.dump(config, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, ADAPTER_CONFIG))
     if tokenizer_from:
         from checkpoints_tools.hf_io import TOKENIZER_FILES
 
@@ -389,6 +394,28 @@ def save_lora(model: nn.Module, out_dir: str, state: dict[str, torch.Tensor] | N
             src = os.path.join(tokenizer_from, fname)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(out_dir, fname))
+
+
+def export_lora(model: nn.Module, state: dict[str, torch.Tensor], out_dir: str, merge: bool = False,
+                tokenizer_from: str | None = None, dtype: torch.dtype | None = None) -> None:
+    """A trainer's final export from a full state dict (``get_model_state_dict(model,
+    StateDictOptions(full_state_dict=True, cpu_offload=True))``, called on every rank; this on rank 0 only).
+
+    ``merge`` False: the adapters only, in PEFT's format (:func:`save_lora`), plus the tokenizer files of
+    ``tokenizer_from``. ``merge`` True: the adapters folded into the base weights (:func:`merge_lora_state`),
+    written as a plain HF checkpoint by ``checkpoints_tools.save_hf_state`` (with the tokenizer files),
+    each tensor cast to ``dtype`` when given.
+    """
+    if not merge:
+        save_lora(model, out_dir, state={k: v for k, v in state.items() if k.endswith((".lora_A", ".lora_B"))},
+                  tokenizer_from=tokenizer_from)
+        return
+    from checkpoints_tools import save_hf_state
+
+    merged = merge_lora_state(state, model)
+    if dtype is not None:
+        merged = {k: v.to(dtype) for k, v in merged.items()}
+    save_hf_state(merged, model.config, out_dir, copy_from=tokenizer_from)
 
 
 #: adapter_config.json keys read here, and keys that do not change the math (metadata, defaults-only options)
@@ -486,4 +513,4 @@ def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
 
 
 __all__ = ["LoRAError", "LoRALinear", "TARGETS", "PEFT_NAMES", "add_lora", "merge_lora", "merge_lora_state",
-           "save_lora", "load_lora", "lora_modules", "lora_state_dict", "trainable_parameters"]
+           "export_lora", "save_lora", "load_lora", "lora_modules", "lora_state_dict", "trainable_parameters"]

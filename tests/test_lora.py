@@ -26,6 +26,7 @@ from ligermodels.lora import (
     LoRAError,
     LoRALinear,
     add_lora,
+    export_lora,
     load_lora,
     lora_modules,
     lora_state_dict,
@@ -397,6 +398,43 @@ def test_load_lora_reads_a_peft_adapter_and_merge_matches_peft_merge(tmp_path):
     merged = pm.merge_and_unload()
     with torch.no_grad():
         assert rel_err(back(input_ids=ids).logits, merged(input_ids=ids).logits) <= 1e-5
+
+
+def test_trainer_flow_meta_model_state_broadcast_and_export(tmp_path):
+    """As the trainer builds it: adapters added on the meta device, the model materialised and given a
+    host model's state (base + adapters); export_lora writes the adapters (PEFT) or the merged checkpoint."""
+    make_hf_checkpoint("qwen2_untied", str(tmp_path / "base"))
+    host = AutoLigerModel.from_hf(str(tmp_path / "base"), dtype=torch.float32)
+    torch.manual_seed(0)
+    add_lora(host, r=2, alpha=4, targets=ALL)
+    _randomize_b(host)
+    with torch.device("meta"):
+        model = type(host)(host.config)
+    add_lora(model, r=2, alpha=4, targets=ALL)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device=DEVICE)
+    model.load_state_dict(host.state_dict())
+    model.init_buffers()
+    ids, _ = _batch(101)
+    with torch.no_grad():
+        ref = host(ids)
+        assert torch.equal(model(ids.to(DEVICE)), ref.to(DEVICE))
+    (tmp_path / "base" / "tokenizer.json").write_text("{}")  # stands for the tokenizer files
+    state = model.state_dict()
+    export_lora(model, state, str(tmp_path / "final"), tokenizer_from=str(tmp_path / "base"))
+    assert sorted(os.listdir(tmp_path / "final")) == ["adapter_config.json", "adapter_model.safetensors",
+                                                      "generation_config.json", "tokenizer.json"]
+    fresh = AutoLigerModel.from_hf(str(tmp_path / "base"), dtype=torch.float32)
+    load_lora(fresh, str(tmp_path / "final"))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids), ref)
+    export_lora(model, state, str(tmp_path / "merged"), merge=True, tokenizer_from=str(tmp_path / "base"),
+                dtype=torch.bfloat16)
+    merged = AutoLigerModel.from_hf(str(tmp_path / "merged"))
+    assert merged.embed.weight.dtype == torch.bfloat16 and os.path.exists(tmp_path / "merged" / "tokenizer.json")
+    merge_lora(host)
+    for k, v in host.state_dict().items():
+        assert torch.equal(merged.state_dict()[k], v.to(torch.bfloat16)), k
 
 
 # ------------------------------------------------------------------------------------------- errors
