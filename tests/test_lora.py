@@ -243,6 +243,25 @@ def test_keep_flags_give_the_same_numbers_and_frozen_projections_skip_recomputat
     assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
 
 
+def test_pytorch_fallback_gives_the_kernels_numbers(monkeypatch):
+    """Off the Triton path (CPU without the interpreter) the references add the same adapter terms."""
+    import kernels.glu as glu
+    import kernels.norm_linear as nl
+
+    model = add_lora(_tiny(), r=3, alpha=6, targets=ALL)
+    _randomize_b(model)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    results = []
+    for fallback in (False, True):
+        if fallback:
+            monkeypatch.setattr(nl, "use_triton", lambda x: False)
+            monkeypatch.setattr(glu, "use_triton", lambda x: False)
+        loss = model.loss(ids, ids)
+        results.append((loss, *torch.autograd.grad(loss, trainable_parameters(model))))
+    for a, b in zip(*results, strict=True):
+        assert rel_err(a, b) <= 1e-5
+
+
 def test_lora_on_a_custom_model_of_blocks_and_eval_mode_has_no_dropout():
     cfg = DecoderConfig(vocab_size=10, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2)
     torch.manual_seed(0)
