@@ -10,6 +10,8 @@ the in-place form for blocks that own their projection buffer.
 - :mod:`kernels.norm_linear`: ``rms_norm_linear`` (norm + the projection reading it, norm output recomputed)
 - :mod:`kernels.rope`: ``apply_rope``, ``apply_rope_qkv_`` (in place on a packed q/k/v projection)
 - :mod:`kernels.glu`: ``swiglu``, ``geglu``, ``glu_linear`` (GLU + down projection, activation recomputed)
+- :mod:`kernels.low_rank`: ``LowRank``, ``lora_linear`` (LoRA adapters; ``rms_norm_linear`` and ``glu_linear``
+  take a ``LowRank`` too)
 - :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
 - :mod:`kernels.adamw`: ``AdamW`` (``torch.optim.AdamW`` with a Triton update kernel; an optimiser, not an op)
 """
@@ -18,10 +20,11 @@ from kernels._common import INTERPRET, use_triton
 from kernels.adamw import AdamW
 from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from kernels.glu import geglu, glu_linear, swiglu
+from kernels.low_rank import LowRank, lora_linear
 from kernels.norm_linear import rms_norm_linear
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import apply_rope, apply_rope_qkv_
 
 __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_norm_linear", "apply_rope",
-           "apply_rope_qkv_", "swiglu", "geglu", "glu_linear", "cross_entropy", "fused_linear_cross_entropy",
-           "AdamW"]
+           "apply_rope_qkv_", "swiglu", "geglu", "glu_linear", "LowRank", "lora_linear", "cross_entropy",
+           "fused_linear_cross_entropy", "AdamW"]

@@ -19,6 +19,12 @@ again mostly costs time. ``keep_output=True`` keeps ``y`` for backward instead (
 recomputed ``y`` then lives through the rest of that one layer's backward, at most two (M, H)
 tensors per layer, one layer at a time (0.12 GB at Qwen2-7B, batch 4 x 2048).
 
+LoRA adapters on the projection (``low_rank``, :mod:`kernels.low_rank`) ride along: their stacked A
+reads the same y in forward, and in backward the y written again for dW also gives dA (when the base
+weight is frozen, y is written again for dA alone); the adapters keep only their small (M, T*r)
+product and, when dropping, their keep-mask. A weight that needs no gradient (frozen) gets no dW GEMM;
+frozen and without adapters, y is not written again at all.
+
 Numbers are those of ``linear(rms_norm(...))`` exactly: the same kernels produce ``y`` both times
 and the GEMMs are the ones autograd's linear would run. The kernels live in :mod:`kernels.rms_norm`;
 this module only composes them with the two GEMMs in one ``autograd.Function``.
