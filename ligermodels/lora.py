@@ -150,7 +150,9 @@ def _refuse_merged(model: nn.Module, what: str) -> None:
                         "(merge_lora); save it with save_hf and load that checkpoint to start new adapters")
 
 
-def _normalize_targets(targets: str | Iterable[str]) -> list[str]:
+def normalize_targets(targets: str | Iterable[str]) -> list[str]:
+    """Our target names for ``targets`` (ours or PEFT's; a string is one name), duplicates dropped; an unknown
+    name or none at all raises :class:`LoRAError` (for a trainer to check its flags before building a model)."""
     if isinstance(targets, str):
         targets = [targets]
     out = []
@@ -191,7 +193,7 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
         raise LoRAError(f"add_lora: alpha must be a finite number, got {alpha!r}")
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise LoRAError(f"add_lora: dropout must be a probability in [0, 1), got {dropout!r}")
-    names = _normalize_targets(targets)
+    names = normalize_targets(targets)
     plan = []  # (block, projection attribute, [(target, start, stop)])
     found = set()
     for block in model.modules():
@@ -512,5 +514,6 @@ def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
     return model
 
 
-__all__ = ["LoRAError", "LoRALinear", "TARGETS", "PEFT_NAMES", "add_lora", "merge_lora", "merge_lora_state",
-           "export_lora", "save_lora", "load_lora", "lora_modules", "lora_state_dict", "trainable_parameters"]
+__all__ = ["LoRAError", "LoRALinear", "TARGETS", "PEFT_NAMES", "add_lora", "normalize_targets", "merge_lora",
+           "merge_lora_state", "export_lora", "save_lora", "load_lora", "lora_modules", "lora_state_dict",
+           "trainable_parameters"]

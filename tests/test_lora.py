@@ -482,6 +482,15 @@ def test_bad_requests_are_refused_by_name():
         merge_lora(_tiny())
 
 
+def test_save_hf_of_a_model_with_adapters_points_to_merge_lora(tmp_path):
+    from checkpoints_tools import CheckpointError
+
+    model = add_lora(_tiny(), targets=["q"])
+    with pytest.raises(CheckpointError, match="unexpected tensor.*lora_A.*merge_lora"):
+        model.save_hf(str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_phi3_q_alone_cannot_be_saved_for_peft(tmp_path):
     make_hf_checkpoint("phi3_default", str(tmp_path / "base"))
     ours = AutoLigerModel.from_hf(str(tmp_path / "base"), dtype=torch.float32)
