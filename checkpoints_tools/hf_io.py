@@ -304,6 +304,9 @@ def _check_state(state: dict[str, torch.Tensor], config: DecoderConfig) -> None:
             and not _same_values(head, embed)):
         problems.append("head.weight differs from embed.weight, but the config ties them (only embed.weight "
                         "would be written)")
+    if any(n.endswith((".lora_A", ".lora_B")) for n in extra):
+        problems.append("the model carries LoRA adapters: fold them in with ligermodels.lora.merge_lora "
+                        "(merge_lora_state for a state dict) first, or write them alone with save_lora")
     if problems:
         raise CheckpointError(f"state dict does not match a {config.model_type} model with this config: "
                               + "; ".join(problems))

@@ -46,6 +46,16 @@ from kernels._common import (
     row_block,
     use_triton,
 )
+from kernels.low_rank import (
+    LowRank,
+    add_input_grad,
+    check_low_rank,
+    dropout_mask,
+    low_rank_add_,
+    low_rank_backward,
+    low_rank_grad_a,
+    low_rank_reference,
+)
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
 _GELU_MODES = {"tanh": GELU_TANH, "none": GELU_ERF}
@@ -236,28 +246,57 @@ class GLUFunction(torch.autograd.Function):
 
 class GLULinearFunction(torch.autograd.Function):
     """Autograd wrapper of ``glu_linear``: saves the packed gate+up and the weight; the activation
-    too when ``keep_activation`` (else the backward kernel writes it again)."""
+    too when ``keep_activation`` (else the backward kernel writes it again, only when a weight gradient
+    needs it). With low-rank adapters on the down projection (``lora_a`` not None, :mod:`kernels.low_rank`)
+    the same activation feeds W and the stacked A, and in backward dW and dA. A frozen weight (no
+    gradient asked) gets no dW GEMM."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
-                keep_activation: bool = False) -> torch.Tensor:
+                keep_activation: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
+                lora_dropout: float = 0.0) -> torch.Tensor:
         h = _glu_fwd(x, None, act)
-        ctx.save_for_backward(x, weight, *([h] if keep_activation else []))
+        out = F.linear(h, weight, bias)
+        z = mask = None
+        if lora_a is not None:
+            h2 = h.view(-1, h.shape[-1])
+            mask = dropout_mask(h2, lora_dropout)
+            z = low_rank_add_(out.view(-1, out.shape[-1]), h2,
+                              LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout), mask)
+            ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
+        lora = [] if lora_a is None else [lora_a, lora_b, z] + ([] if mask is None else [mask])
+        ctx.save_for_backward(x, weight, *lora, *([h] if keep_activation else []))
+        ctx.n_lora = len(lora)
         ctx.act, ctx.has_bias = act, bias is not None
-        return F.linear(h, weight, bias)
+        return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
-        x, weight, *kept = ctx.saved_tensors
+        x, weight, *rest = ctx.saved_tensors
+        lora_a, lora_b, z, mask = (rest[:ctx.n_lora] + [None] * 4)[:4]
+        kept = rest[ctx.n_lora] if len(rest) > ctx.n_lora else None
+        needs_w, needs_b = ctx.needs_input_grad[1:3]
+        needs_la, needs_lb = ctx.needs_input_grad[5:7]
         d2 = dout.reshape(-1, dout.shape[-1])
         dh = d2 @ weight  # (M, I)
-        if kept:
-            h, dx = kept[0], _glu_bwd(dh, x, None, ctx.act)
+        dla = dlb = None
+        if lora_a is not None:
+            lr = LowRank(lora_a, lora_b, *ctx.low_rank)
+            dh_lr, dz, dlb = low_rank_backward(d2, lr, z, mask, needs_lb)
+            dh = add_input_grad(dh, dh_lr)
+            del dh_lr
+        needs_h = needs_w or (lora_a is not None and needs_la)
+        if kept is not None or not needs_h:
+            h, dx = kept, _glu_bwd(dh, x, None, ctx.act)
         else:
             dx, h = _glu_bwd_recompute(dh, x, ctx.act)
-        dw = d2.t() @ h.view(n_rows(h), h.shape[-1])
-        db = d2.sum(0) if ctx.has_bias else None
-        return dx.view(x.shape), dw, db, None, None
+        dw = None
+        if needs_h:
+            h2 = h.view(n_rows(h), h.shape[-1])
+            dw = d2.t() @ h2 if needs_w else None
+            dla = low_rank_grad_a(dz, h2, lr, mask) if lora_a is not None and needs_la else None
+        db = d2.sum(0) if ctx.has_bias and needs_b else None
+        return dx.view(x.shape), dw, db, None, None, dla, dlb, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -292,7 +331,8 @@ def _glu(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
 
 
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-               activation: str = "silu", keep_activation: bool = False) -> torch.Tensor:
+               activation: str = "silu", keep_activation: bool = False,
+               low_rank: LowRank | None = None) -> torch.Tensor:
     """``F.linear(glu(x), weight, bias)``: the GLU of a packed gate+up tensor followed by the down projection.
 
     The same numbers as :func:`swiglu` / :func:`geglu` then ``F.linear``, with less memory: the
@@ -305,6 +345,9 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         keep_activation: keep the (..., I) activation for backward instead of writing it again there
             (inside an activation-checkpointed layer, where it is kept only through that layer's
             backward; the backward kernel then moves five (..., I) tensors instead of six).
+        low_rank: LoRA adapters on the down projection (:class:`kernels.low_rank.LowRank`), or None: their
+            term of the activation is added (in fp32), with their dropout on their input only; backward
+            writes the activation again once for both dW and dA. A frozen weight or bias gets no gradient.
     Returns:
         (..., H) in the input dtype.
     """
@@ -319,9 +362,15 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"glu_linear: x's last dim {x.shape[-1]} must be twice weight's {weight.shape[-1]}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"glu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if low_rank is not None:
+        check_low_rank(low_rank, weight.shape[1], weight.shape[0], "glu_linear")
     if not use_triton(x):
-        return F.linear(glu_reference(x, None, act), weight, bias)
-    return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation))
+        h = glu_reference(x, None, act)
+        out = F.linear(h, weight, bias)
+        return out if low_rank is None else low_rank_reference(h, out, low_rank)
+    lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
+        low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
+    return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation), *lr)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,6 +19,12 @@ again mostly costs time. ``keep_output=True`` keeps ``y`` for backward instead (
 recomputed ``y`` then lives through the rest of that one layer's backward, at most two (M, H)
 tensors per layer, one layer at a time (0.12 GB at Qwen2-7B, batch 4 x 2048).
 
+LoRA adapters on the projection (``low_rank``, :mod:`kernels.low_rank`) ride along: their stacked A
+reads the same y in forward, and in backward the y written again for dW also gives dA (when the base
+weight is frozen, y is written again for dA alone); the adapters keep only their small (M, T*r)
+product and, when dropping, their keep-mask. A weight that needs no gradient (frozen) gets no dW GEMM;
+frozen and without adapters, y is not written again at all.
+
 Numbers are those of ``linear(rms_norm(...))`` exactly: the same kernels produce ``y`` both times
 and the GEMMs are the ones autograd's linear would run. The kernels live in :mod:`kernels.rms_norm`;
 this module only composes them with the two GEMMs in one ``autograd.Function``.
@@ -30,6 +36,16 @@ import torch
 import torch.nn.functional as F
 
 from kernels._common import use_triton
+from kernels.low_rank import (
+    LowRank,
+    add_input_grad,
+    check_low_rank,
+    dropout_mask,
+    low_rank_add_,
+    low_rank_backward,
+    low_rank_grad_a,
+    low_rank_reference,
+)
 from kernels.rms_norm import (
     _casting_code,
     _check,
@@ -41,35 +57,41 @@ from kernels.rms_norm import (
 )
 
 
-def _linear_backward(dout: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, needs_w: bool, needs_b: bool):
-    """(dy, dW, db) of ``out = y @ W.T + b``; dW and db only where autograd asks for them."""
-    d2 = dout.reshape(-1, dout.shape[-1])
-    dw = d2.t().mm(y.reshape(-1, y.shape[-1])) if needs_w else None
-    db = d2.sum(0) if needs_b else None
-    return dout.matmul(weight), dw, db
-
-
 class RMSNormLinearFunction(torch.autograd.Function):
-    """``forward(x, residual, norm_weight, weight, bias, eps, offset, casting, keep_output)`` -> (out, h).
+    """``forward(x, residual, norm_weight, weight, bias, eps, offset, casting, keep_output, lora_a, lora_b,
+    lora_slices, lora_scale, lora_dropout)`` -> (out, h).
 
     ``residual`` may be None (first layer: h is x itself and only ``out`` is returned). Saves h,
     the two weights and the per-row rstd; the norm output y too when ``keep_output`` (else backward
-    writes it again).
+    writes it again, only when a weight gradient needs it). With low-rank adapters (``lora_a`` not None,
+    :mod:`kernels.low_rank`), the same y feeds W and the stacked A in forward and, written again once,
+    dW and dA in backward; the adapters keep only z (M x T*r) and their dropout keep-mask. A frozen
+    ``weight`` (no gradient asked) gets no dW GEMM.
     """
 
     @staticmethod
     def forward(ctx, x, residual, norm_weight, weight, bias, eps: float, offset: float, casting: int,
-                keep_output: bool = False):
+                keep_output: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
+                lora_dropout: float = 0.0):
         if residual is None:
             y, rstd = _rms_norm_fwd(x, norm_weight, eps, offset, casting)
             h = x
         else:
             y, h, rstd = _fused_add_rms_norm_fwd(x, residual, norm_weight, eps, offset, casting)
+        y2 = y.reshape(-1, y.shape[-1])
+        out2 = F.linear(y2, weight, bias)
+        z = mask = None
+        if lora_a is not None:
+            lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
+            mask = dropout_mask(y2, lora_dropout)
+            z = low_rank_add_(out2, y2, lr, mask)
+            ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         # A 2-D GEMM, then an untracked reshape: the output must not be a view (the rotary
         # embedding rotates the q/k/v projection output in place, which autograd forbids on views).
-        out = torch.ops.aten._unsafe_view(F.linear(y.reshape(-1, y.shape[-1]), weight, bias),
-                                          (*y.shape[:-1], weight.shape[0]))
-        ctx.save_for_backward(h, norm_weight, weight, rstd, *([y] if keep_output else []))
+        out = torch.ops.aten._unsafe_view(out2, (*y.shape[:-1], weight.shape[0]))
+        lora = [] if lora_a is None else [lora_a, lora_b, z] + ([] if mask is None else [mask])
+        ctx.save_for_backward(h, norm_weight, weight, rstd, *lora, *([y] if keep_output else []))
+        ctx.n_lora = len(lora)
         ctx.norm = (eps, offset, casting)
         ctx.has_residual = residual is not None
         if residual is None:
@@ -80,32 +102,55 @@ class RMSNormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor | None, dh: torch.Tensor | None = None):
-        h, norm_weight, weight, rstd, *kept = ctx.saved_tensors
+        h, norm_weight, weight, rstd, *rest = ctx.saved_tensors
+        lora_a, lora_b, z, mask = (rest[:ctx.n_lora] + [None] * 4)[:4]
+        kept = rest[ctx.n_lora] if len(rest) > ctx.n_lora else None
         eps, offset, casting = ctx.norm
         needs_w, needs_b = ctx.needs_input_grad[3:5]
+        needs_la, needs_lb = ctx.needs_input_grad[9:11]
         if dout is None:  # only h was used downstream: the projection contributes nothing
-            return dh, dh, None, None, None, None, None, None, None
-        # the norm output: kept from forward, or written again
-        y = kept[0] if kept else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
-        dy, dw, db = _linear_backward(dout, y, weight, needs_w, needs_b)
-        del y, kept
+            return (dh, dh) + (None,) * 12
+        d2 = dout.reshape(-1, dout.shape[-1])
+        dy = dout.matmul(weight)
+        dw = dla = dlb = None
+        if lora_a is not None:
+            lr = LowRank(lora_a, lora_b, *ctx.low_rank)
+            dy_lr, dz, dlb = low_rank_backward(d2, lr, z, mask, needs_lb)
+            dy = add_input_grad(dy, dy_lr)
+            del dy_lr
+        if needs_w or (lora_a is not None and needs_la):
+            # the norm output: kept from forward, or written again
+            y = kept if kept is not None else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
+            y2 = y.reshape(-1, y.shape[-1])
+            dw = d2.t().mm(y2) if needs_w else None
+            dla = low_rank_grad_a(dz, y2, lr, mask) if lora_a is not None and needs_la else None
+            del y, y2
+        db = d2.sum(0) if needs_b else None
+        del kept
         dx, dnw = _rms_norm_bwd(dy, dy if dh is None else dh, h, norm_weight, rstd, offset, dh is not None)
-        return dx, (dx if ctx.has_residual else None), dnw, dw, db, None, None, None, None
+        return (dx, (dx if ctx.has_residual else None), dnw, dw, db, None, None, None, None, dla, dlb,
+                None, None, None)
 
 
 def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                              eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"):
-    """Pure-PyTorch ``linear(rms_norm(x [+ residual]))`` (+ the new residual stream when one is given)."""
+                              eps: float = 1e-6, offset: float = 0.0, casting: str = "llama",
+                              low_rank: LowRank | None = None):
+    """Pure-PyTorch ``linear(rms_norm(x [+ residual]))`` (+ the new residual stream when one is given),
+    plus the adapters' term of the norm output when ``low_rank`` is given (:func:`low_rank_reference`)."""
     if residual is None:
-        return F.linear(rms_norm_reference(x, norm_weight, eps, offset, casting), weight, bias)
-    y, h = fused_add_rms_norm_reference(x, residual, norm_weight, eps, offset, casting)
-    return F.linear(y, weight, bias), h
+        y, h = rms_norm_reference(x, norm_weight, eps, offset, casting), None
+    else:
+        y, h = fused_add_rms_norm_reference(x, residual, norm_weight, eps, offset, casting)
+    out = F.linear(y, weight, bias)
+    if low_rank is not None:
+        out = low_rank_reference(y, out, low_rank)
+    return out if residual is None else (out, h)
 
 
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
-                    casting: str = "llama", keep_output: bool = False):
+                    casting: str = "llama", keep_output: bool = False, low_rank: LowRank | None = None):
     """``linear(rms_norm(x + residual), weight, bias)`` without keeping the norm output for backward.
 
     Args:
@@ -114,6 +159,10 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
         weight: (N, H) projection; bias: (N,) or None.
         keep_output: keep the (..., H) norm output for backward instead of writing it again there
             (inside an activation-checkpointed layer, where it is kept only through that layer's backward).
+        low_rank: LoRA adapters on the projection (:class:`kernels.low_rank.LowRank`), or None: their
+            term of the norm output is added (in fp32) to the projection's, with their dropout on their
+            input only; backward writes the norm output again once for both dW and dA. A weight or bias
+            that needs no gradient (frozen) gets none computed.
     Returns:
         (..., N) projection output; with a residual, ``(out, h)`` where h = x + residual (..., H) is
         the new residual stream, as :func:`kernels.fused_add_rms_norm` returns it.
@@ -125,7 +174,11 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
                          f"got {tuple(weight.shape)}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"rms_norm_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if low_rank is not None:
+        check_low_rank(low_rank, weight.shape[1], weight.shape[0], "rms_norm_linear")
     if not use_triton(x):
-        return rms_norm_linear_reference(x, norm_weight, weight, bias, residual, eps, offset, casting)
+        return rms_norm_linear_reference(x, norm_weight, weight, bias, residual, eps, offset, casting, low_rank)
+    lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
+        low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
     return RMSNormLinearFunction.apply(x, residual, norm_weight, weight, bias, float(eps), float(offset), code,
-                                       bool(keep_output))
+                                       bool(keep_output), *lr)

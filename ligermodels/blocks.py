@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from ligermodels.generation import LayerKVCache
 
 
+def low_rank_of(linear: nn.Module):
+    """The LoRA adapters of a projection (``ligermodels.lora.LoRALinear.low_rank()``), or None for a plain one."""
+    low_rank = getattr(linear, "low_rank", None)
+    return None if low_rank is None else low_rank()
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, optionally fused with the residual add.
 
@@ -62,7 +68,7 @@ class RMSNorm(nn.Module):
         (..., H) -> (..., N); with a residual, ((..., N) projection, (..., H) new residual stream).
         """
         return rms_norm_linear(x, self.weight, linear.weight, linear.bias, residual, self.eps, self.offset,
-                               self.casting, self.keep_output)
+                               self.casting, self.keep_output, low_rank_of(linear))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, casting={self.casting}"
@@ -171,7 +177,8 @@ class MLP(nn.Module):
 
     def glu_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(B, S, 2*I) packed gate+up projection output -> (B, S, H)."""
-        return glu_linear(gate_up, self.down.weight, self.down.bias, self.activation, self.keep_activation)
+        return glu_linear(gate_up, self.down.weight, self.down.bias, self.activation, self.keep_activation,
+                          low_rank_of(self.down))
 
 
 class DecoderLayer(nn.Module):
