@@ -263,7 +263,7 @@ def main(argv=None) -> None:
         row = hf_worker(args) if args.worker in HF_IMPLS else bare_worker(args)
         print(json.dumps(row))
         return
-    from benchmarks.harness import environment, write_results
+    from benchmarks.harness import environment
 
     env = environment()
     low, high = (int(v) for v in args.doc_words.split(","))
@@ -296,6 +296,12 @@ def main(argv=None) -> None:
         rows += shape_rows
         checks[f"{model}:b{batch}"] = targets(shape_rows)
         print(json.dumps(checks[f"{model}:b{batch}"]), flush=True)
+        write(args, env, rows, checks, low, high)  # after every shape: a later one that runs out of time loses nothing
+
+
+def write(args, env: dict, rows: list[dict], checks: dict, low: int, high: int) -> None:
+    from benchmarks.harness import write_results
+
     payload = {"benchmark": "training loops users run (issue 18): ligermodels.train vs transformers.Trainer",
                "settings": {"seq": args.seq, "steps": args.steps, "warmup_steps_dropped": args.warmup,
                             "ac": args.ac, "doc_words": [low, high], "lr": LR, "lr_schedule": "constant",

@@ -306,9 +306,76 @@ def decode_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def _train_runs() -> list[dict]:
+    """``train-*.json`` (benchmarks/bench_train.py), newest first, each keeping the shapes no newer file measured."""
+    runs = []
+    for f in glob.glob(os.path.join(RESULTS, "train-*.json")):
+        with open(f) as fh:
+            data = json.load(fh)
+        data["_file"] = os.path.relpath(f, ROOT)
+        runs.append(data)
+    seen: set = set()
+    out = []
+    for data in sorted(runs, key=lambda d: (d.get("date", ""), d["_file"]), reverse=True):
+        shapes = {(r["model"], r["batch"], r.get("ac", "none")) for r in data["rows"]}
+        rows = [r for r in data["rows"] if (r["model"], r["batch"], r.get("ac", "none")) not in seen]
+        seen |= shapes
+        if rows:
+            out.append({**data, "rows": rows})
+    return out
+
+
+_TRAIN_IMPLS = {"ligermodels": "`python -m ligermodels.train`", "ligermodels-causal": "the same, `--attention causal`",
+                "bare": "bare step (bench_e2e, same precision)", "hf+liger": "Trainer + Liger-Kernel",
+                "hf+compile": "Trainer + torch.compile", "hf": "Trainer"}
+
+
+def train_table(runs: list[dict]) -> str:
+    """What users run: the CLI against transformers.Trainer, and the issue-18 targets of each shape (the
+    newest run of each shape; runs of one GPU and day listed together)."""
+    d = runs[0]
+    st = d["settings"]
+    files = ", ".join(f"`{r['_file']}`" for r in runs)
+    lines = [f"**What users run** (`benchmarks/bench_train.py`): `python -m ligermodels.train` against "
+             f"`transformers.Trainer` on the same packed rows (documents of {st['doc_words'][0]}-{st['doc_words'][1]} "
+             f"words, attention within documents on both sides), {st['precision']}, AdamW, clipping "
+             f"{st['grad_clip']}, seq {st['seq']}, random init, median of steps {st['warmup_steps_dropped'] + 1}-"
+             f"{st['steps']}, each shape's runs one after the other on one machine: {d['gpu']}, torch {d['torch']}, "
+             f"triton {d['triton']}, transformers {d.get('transformers', '?')}, {d['date']} ({files}). Peak memory "
+             "is max allocated (GB = 1e9 B).", "",
+             "| model | batch | run | tokens/s | peak memory (GB) |", "|---|---|---|---|---|"]
+    for r in (r for run in runs for r in run["rows"]):
+        head = f"| {r['model']} | {r['batch']} | {_TRAIN_IMPLS.get(r['impl'], r['impl'])} |"
+        if "error" in r:
+            lines.append(f"{head} {'out of memory' if r.get('oom') else 'failed'} | |")
+        else:
+            lines.append(f"{head} {r['tokens_per_s']:,.0f} | {r['peak_mem_gb']:.1f} |")
+    names = {"speed_vs_fastest_hf": "speed vs fastest Trainer", "memory_vs_hf_liger": "memory vs Trainer + Liger",
+             "speed_vs_bare": "speed vs bare step", "document_attention_cost": "cost of document attention"}
+    at_most = ("memory_vs_hf_liger", "document_attention_cost")
+    heads = [f"{n} (target {'≤' if k in at_most else '≥'} {d['targets'][k]})" for k, n in names.items()]
+    lines += ["", "| shape | " + " | ".join(heads) + " |", "|---|" + "---|" * len(names)]
+    for run in runs:
+        for shape, checks in run["checks"].items():
+            if not any(f"{r['model']}:b{r['batch']}" == shape for r in run["rows"]):
+                continue
+            cells = []
+            for k in names:
+                c = checks.get(k)
+                value = None if c is None else c.get("ratio", c.get("fraction"))
+                cells.append("-" if c is None else f"{value:.3f} {'holds' if c['holds'] else '**misses**'}")
+            lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
-    """The README's performance section: ``runs`` from ``_e2e_runs()``, then the latest of each other benchmark."""
-    parts = []
+    """The README's performance section: what users run (``train-*.json``), then ``runs`` from ``_e2e_runs()``
+    (the bare step, the breakdown), then the latest of each other benchmark."""
+    train = _train_runs()
+    groups: dict[tuple, list[dict]] = {}
+    for d in train:
+        groups.setdefault((d.get("gpu"), d.get("date")), []).append(d)
+    parts = [train_table(sorted(g, key=lambda d: d["_file"])) for g in groups.values()]
     for d in runs:
         parts.append(e2e_table(d))
     if e2e_pngs:

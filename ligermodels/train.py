@@ -721,7 +721,9 @@ class StepProfiler:
             kernels[e.key] = kernels.get(e.key, 0.0) + ms
         busy = sum(per_cat.values())
         lines = [f"# steps {self.steps.start}-{self.steps.stop - 1}: {wall_ms:.2f} ms a step (wall, host clock); "
-                 f"GPU busy {busy:.2f} ms ({100 * busy / wall_ms:.1f}%)", "",
+                 f"GPU busy {busy:.2f} ms ({100 * busy / wall_ms:.1f}%)",
+                 "# (recording Python stacks slows the host: the GPU's idle time here is an upper bound; compare the",
+                 "# busy time with the unprofiled steps' time in metrics.jsonl)", "",
                  f"{'category':32s} {'ms/step':>9s} {'% step':>7s}"]
         for cat, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
             lines.append(f"{cat:32s} {ms:9.2f} {100 * ms / wall_ms:6.1f}%")

@@ -435,18 +435,19 @@ def test_trainer_flow_meta_model_state_broadcast_and_export(tmp_path):
     model.load_state_dict(host.state_dict())
     model.init_buffers()
     ids, _ = _batch(101)
-    with torch.no_grad():
-        ref = host(ids)
-        assert torch.equal(model(ids.to(DEVICE)), ref.to(DEVICE))
+    with torch.no_grad():  # the same computation on the same device: the same bits
+        ref = host.to(DEVICE)(ids.to(DEVICE))
+        assert torch.equal(model(ids.to(DEVICE)), ref)
+    host.cpu()
     (tmp_path / "base" / "tokenizer.json").write_text("{}")  # stands for the tokenizer files
     state = model.state_dict()
     export_lora(model, state, str(tmp_path / "final"), tokenizer_from=str(tmp_path / "base"))
     assert sorted(os.listdir(tmp_path / "final")) == ["adapter_config.json", "adapter_model.safetensors",
                                                       "generation_config.json", "tokenizer.json"]
-    fresh = AutoLigerModel.from_hf(str(tmp_path / "base"), dtype=torch.float32)
+    fresh = AutoLigerModel.from_hf(str(tmp_path / "base"), dtype=torch.float32, device=DEVICE)
     load_lora(fresh, str(tmp_path / "final"))
     with torch.no_grad():
-        assert torch.equal(fresh(ids), ref)
+        assert torch.equal(fresh(ids.to(DEVICE)), ref)
     export_lora(model, state, str(tmp_path / "merged"), merge=True, tokenizer_from=str(tmp_path / "base"),
                 dtype=torch.bfloat16)
     merged = AutoLigerModel.from_hf(str(tmp_path / "merged"))
