@@ -85,6 +85,7 @@ from ligermodels.config import DecoderConfig
 from ligermodels.data import DataError, Document, PackedRows, count_loss_tokens, read_jsonl, special_token_ids, tokenize
 from ligermodels.families import UnsupportedConfigError, config_from_hf, family_of
 from ligermodels.generation import generate
+from ligermodels.lora import LoRAError, add_lora, export_lora, normalize_targets
 from ligermodels.model import CausalLM, document_ids_from_positions
 from ligermodels.tokenizer import load_tokenizer
 
@@ -98,7 +99,8 @@ class TrainError(RuntimeError):
 COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=1.0,
                        seed=0, ac="none", keep_checkpoints=3, resume=False, overwrite=False,
                        from_scratch=False, loss_strategy="tokens", profile=False,
-                       attention="documents")
+                       attention="documents", lora_rank=0, lora_alpha=16.0, lora_dropout=0.0,
+                       lora_targets="q,k,v,o,gate,up,down", merge=False)
 DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20, save_every=200,
                      log_every=50)
 RUN_DEFAULTS = dict(out=None, seq_len=None, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500,
@@ -138,6 +140,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--loss-strategy", choices=("tokens", "vocab"),
       help="loss head (kernels.fused_linear_cross_entropy): tokens = fastest; vocab = one more GEMM, "
            "no fp32 (vocab, hidden) weight-gradient buffer (less memory for large vocabularies)")
+    a("--lora-rank", type=int, help="LoRA: train rank-R adapters on the frozen base (0: full fine-tuning); "
+                                    "OUT/final is then the adapter in PEFT's format")
+    a("--lora-alpha", type=float, help="LoRA scale numerator: the adapters' output is scaled by alpha / rank")
+    a("--lora-dropout", type=float, help="LoRA: dropout probability on the adapters' input")
+    a("--lora-targets", help="LoRA: comma-separated projections among q,k,v,o,gate,up,down (PEFT's q_proj ... "
+                             "accepted)")
+    a("--merge", action="store_true", default=None,
+      help="LoRA: also write OUT/merged, the base with the adapters folded in, as a plain HF checkpoint")
     a("--attention", choices=("documents", "causal"),
       help="documents: a token attends within its own document of the packed row; causal: across the "
            "whole row (as transformers' SDPA path without position ids)")
@@ -199,6 +209,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--warmup-steps {args.warmup_steps} exceeds --steps {args.steps}: the lr would never reach --lr")
     if args.resume and args.overwrite:
         p.error("--resume and --overwrite exclude each other")
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank must be at least 0 (0: no LoRA), got {args.lora_rank}")
+    if not 0 <= args.lora_dropout < 1:
+        p.error(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    if not math.isfinite(args.lora_alpha):
+        p.error(f"--lora-alpha must be finite, got {args.lora_alpha}")
+    try:
+        args.lora_targets = ",".join(normalize_targets(args.lora_targets.split(",")))
+    except LoRAError as e:
+        p.error(f"--lora-targets: {e}")
+    if args.merge and not args.lora_rank:
+        p.error("--merge folds LoRA adapters into the base: it needs --lora-rank")
+    if args.lora_rank and (args.demo or args.from_scratch) and not args.merge:
+        p.error("LoRA on a randomly initialised base (the demo, --from-scratch) needs --merge: OUT/final holds "
+                "only the adapter, and the random base is saved nowhere else")
     return args
 
 
@@ -273,7 +298,8 @@ def check_out_dir(args: argparse.Namespace) -> None:
 
 #: Flags a checkpoint records and a resumed run must repeat: they fix the data order and the lr of every
 #: step, and the restored optimiser and scheduler states carry the old lr (--steps: see check_resume).
-RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "steps", "weight_decay")
+RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "steps", "weight_decay",
+                "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 #: What else a resumed run must keep (recorded in train_state.json, checked by value, so a run or data
 #: file that moved still resumes): the tokenized data set (--data through --model's tokenizer, in file
 #: order), the model's architecture, and the rows per step (batch size x ranks x grad-accum); with the
@@ -427,6 +453,12 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
         model.layers[i] = checkpoint_wrapper(layer, **kwargs)
 
 
+def lora_options(args: argparse.Namespace) -> dict:
+    """``add_lora``'s arguments from the --lora-* flags."""
+    return dict(r=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                targets=args.lora_targets.split(","))
+
+
 def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> CausalLM:
     """The model with fp32 weights: FSDP2-sharded over the ranks when there are several.
 
@@ -445,10 +477,14 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
     if rank == 0:
         try:
             if inputs.weights_dir is not None:
-                full_state = load_hf(inputs.weights_dir, dtype=torch.float32, device="cpu").state_dict()
+                host = load_hf(inputs.weights_dir, dtype=torch.float32, device="cpu")
             else:
                 torch.manual_seed(args.seed)
-                full_state = inputs.cls(inputs.config).init_weights().state_dict()
+                host = inputs.cls(inputs.config).init_weights()
+            if args.lora_rank:  # the adapters' init (A random, B zero) drawn here, once, from --seed
+                torch.manual_seed(args.seed)
+                add_lora(host, **lora_options(args))
+            full_state = host.state_dict()
         except (CheckpointError, UnsupportedConfigError) as e:
             error = str(e)
     errors = [error]
@@ -458,6 +494,8 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
 
     with torch.device("meta"):
         model = inputs.cls(inputs.config)
+        if args.lora_rank:
+            add_lora(model, **lora_options(args))
     apply_activation_checkpointing(model, args.ac)
     if world > 1:
         mesh = init_device_mesh(device.type, (world,))
@@ -481,14 +519,22 @@ def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> Ad
 
     One rank computing in bf16 (see :func:`build_model`): the fp32 parameters become the optimiser's
     masters and the parameters bf16 (``AdamW.init_master_weights_``); each step updates the masters
-    and writes the bf16 weights the next forward uses.
+    and writes the bf16 weights the next forward uses. With LoRA only the adapters are trained (fp32,
+    no master needed) and the frozen base is cast to bf16.
     """
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters only
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     if world == 1 and args.dtype == "bf16":
-        optimizer.init_master_weights_(torch.bfloat16)
+        if args.lora_rank:  # the frozen base computes in bf16 and has no master; the adapters stay fp32
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(torch.bfloat16)
+        else:
+            optimizer.init_master_weights_(torch.bfloat16)
     return optimizer
 
 
@@ -556,6 +602,8 @@ def checkpoint_state(model: CausalLM, optimizer: AdamW) -> dict:
     rank, bf16) the masters stand in for the bf16 parameters (and leave the optimiser's entries), so a
     checkpoint is the same on any number of ranks and resumes on any other."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if any(not p.requires_grad for p in model.parameters()):  # LoRA: the frozen base is --model's, not saved
+        model_sd = {k: v for k, v in model_sd.items() if k.endswith((".lora_A", ".lora_B"))}
     if optimizer.master_weights:  # fp32 weights joined on the host (no device memory), low bits left out
         masters = {p.data_ptr(): w for p, w in optimizer.master_params(device="cpu").items() if w is not p}
         model_sd = {name: masters.get(t.data_ptr(), t) for name, t in model_sd.items()}
@@ -585,7 +633,8 @@ def load_checkpoint(path: str, model: CausalLM, optimizer: torch.optim.Optimizer
         optimizer.load_masters_({params[t.data_ptr()]: state["model"][name]
                                  for name, t in get_model_state_dict(model).items() if t.data_ptr() in params})
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))  # LoRA checkpoints hold the adapters only
     rng_path = os.path.join(path, f"rng_rank{rank:05d}.pt")
     if os.path.isfile(rng_path):  # absent when resuming on more ranks than wrote it
         rng = torch.load(rng_path, weights_only=True)
@@ -595,12 +644,20 @@ def load_checkpoint(path: str, model: CausalLM, optimizer: torch.optim.Optimizer
 
 
 def export_hf(model: CausalLM, inputs: Inputs, args: argparse.Namespace, rank: int) -> str:
-    """Gather the full weights to rank 0's host and write ``OUT/final`` as an HF checkpoint (in --dtype)."""
+    """Gather the full weights to rank 0's host and write ``OUT/final`` as an HF checkpoint (in --dtype);
+    with LoRA, ``OUT/final`` is the adapter (PEFT's format) and ``--merge`` writes ``OUT/merged``."""
     out = os.path.join(args.out, "final")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        save_hf_state({k: v.to(dtype) for k, v in state.items()}, inputs.config, out, copy_from=inputs.tokenizer_dir)
+        if args.lora_rank:  # the adapter in PEFT's format; --merge: also the merged model, in --dtype
+            export_lora(model, state, out, tokenizer_from=inputs.tokenizer_dir)
+            if args.merge:
+                export_lora(model, state, os.path.join(args.out, "merged"), merge=True,
+                            tokenizer_from=inputs.tokenizer_dir, dtype=dtype)
+        else:
+            save_hf_state({k: v.to(dtype) for k, v in state.items()}, inputs.config, out,
+                          copy_from=inputs.tokenizer_dir)
     dist.barrier()
     return out
 
@@ -815,7 +872,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     model = build_model(inputs, args, rank, world, device)
     dist.barrier()  # every rank has its inputs and weights: only now may --overwrite delete the old run
     if rank == 0 and args.overwrite:
-        for what in ("checkpoints", "final"):
+        for what in ("checkpoints", "final", "merged"):
             shutil.rmtree(os.path.join(args.out, what), ignore_errors=True)
     optimizer = build_optimizer(model, args, world)
     schedule = partial(lr_factor, schedule=args.lr_schedule, warmup=args.warmup_steps, steps=args.steps,
@@ -923,7 +980,10 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     final = export_hf(model, inputs, args, rank)
     say(f"wrote {final}")
     if args.demo and rank == 0:
-        plain = CausalLM.from_hf(final, dtype=torch.float32)
+        if args.lora_rank:  # the demo's base is random: it lives in OUT/merged only (parse_args asks --merge)
+            plain = CausalLM.from_hf(os.path.join(args.out, "merged"), dtype=torch.float32)
+        else:
+            plain = CausalLM.from_hf(final, dtype=torch.float32)
         complete = partial(greedy_complete, plain, inputs.tokenizer, bos=inputs.bos, eos=inputs.eos)
         print("greedy completions from the exported checkpoint:")
         for prompt in demo_corpus.SAMPLE_PROMPTS:

@@ -214,6 +214,71 @@ def test_bf16_master_weight_checkpoints_hold_fp32_weights_and_resume_exactly(run
         assert torch.equal(w1[k], w2[k]), k
 
 
+@pytest.fixture(scope="module")
+def runs_lora(checkpoint, data, workdir):
+    """LoRA (rank 4 on all seven projections): one rank with grad-accum 2 and --merge, two FSDP ranks, and the
+    one-rank run resumed from its step-2 checkpoint."""
+    lora = ["--lora-rank", "4", "--lora-alpha", "8", "--save-every", "2"]
+    outs = {}
+    for name, extra, nproc in (("one", ["--grad-accum", "2", "--merge"], 1), ("two", ["--grad-accum", "1"], 2)):
+        out = workdir / f"lora-{name}"
+        res = _train([*_flags(checkpoint, data, out), *lora, *extra], nproc=nproc)
+        assert res.returncode == 0, res.stderr[-4000:]
+        outs[name] = out
+    resumed = workdir / "lora-resumed"
+    shutil.copytree(outs["one"], resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    shutil.rmtree(resumed / "final")
+    res = _train([*_flags(checkpoint, data, resumed), *lora, "--grad-accum", "2", "--merge", "--resume"])
+    assert res.returncode == 0 and "(step 2)" in res.stdout, res.stderr[-4000:]
+    return {**outs, "resumed": resumed}
+
+
+def test_lora_training_trains_the_adapters_only_and_exports_a_peft_adapter(runs_lora, checkpoint):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ligermodels import AutoLigerModel
+    from ligermodels.lora import load_lora
+
+    one, two = _metrics(runs_lora["one"]), _metrics(runs_lora["two"])
+    for a, b in zip(one, two, strict=True):  # the same global batches split two ways
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+    assert one[-1]["loss"] < one[0]["loss"]
+    meta = FileSystemReader(str(runs_lora["one"] / "checkpoints" / "step_00000002")).read_metadata()
+    weights = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert weights and all(k.endswith((".lora_A", ".lora_B")) for k in weights), weights  # no frozen base
+    final = runs_lora["one"] / "final"
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(final))
+    adapted = load_lora(AutoLigerModel.from_hf(checkpoint, dtype=torch.float32), str(final))
+    ids = torch.randint(4, adapted.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    merged = AutoLigerModel.from_hf(str(runs_lora["one"] / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        assert _rel(adapted(ids), merged(ids)) <= 1e-5
+        assert _rel(adapted(ids), AutoLigerModel.from_hf(checkpoint, dtype=torch.float32)(ids)) > 1e-4  # it trained
+    resumed = _metrics(runs_lora["resumed"])
+    assert [(m["loss"], m["grad_norm"]) for m in one] == [(m["loss"], m["grad_norm"]) for m in resumed]
+    assert (runs_lora["resumed"] / "final" / "adapter_model.safetensors").read_bytes() == \
+        (final / "adapter_model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-rank", "-1"], "--lora-rank must be at least 0"),
+    (["--lora-rank", "4", "--lora-targets", "q,bogus"], "--lora-targets"),
+    (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--merge"], "--merge folds LoRA adapters into the base: it needs --lora-rank"),
+])
+def test_bad_lora_flags_are_refused_by_name(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_lora_on_a_random_base_needs_merge(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "o", "--lora-rank", "4"])  # the demo: a random base saved nowhere
+    assert "needs --merge" in capsys.readouterr().err
+
+
 def test_metrics_lines(run_two):
     m = _metrics(run_two)[0]
     assert set(m) == {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "peak_mem_gb"}
