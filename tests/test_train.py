@@ -583,6 +583,17 @@ def test_demo_runs_end_to_end(tmp_path):
     assert (out / "demo" / "data.jsonl").exists() and (out / "checkpoints" / "step_00000040").exists()
 
 
+def test_demo_with_lora_trains_adapters_and_completes_from_the_merged_model(tmp_path):
+    out = tmp_path / "demo"
+    res = _train(["--out", str(out), "--steps", "30", "--batch-size", "8", "--log-every", "10", "--lora-rank", "8",
+                  "--lora-alpha", "16", "--merge", "--lr", "1e-2"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    losses = [m["loss"] for m in _metrics(out)]
+    assert losses[-1] < losses[0] - 0.5, losses  # the adapters alone lower the loss on a random base
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out / "final"))
+    assert (out / "merged" / "model.safetensors").exists() and "additions answered right" in res.stdout
+
+
 # ---------------------------------------------------------------------------------------------- in process
 def test_read_jsonl_errors_name_the_line(tmp_path):
     p = tmp_path / "d.jsonl"
