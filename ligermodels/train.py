@@ -602,7 +602,7 @@ def checkpoint_state(model: CausalLM, optimizer: AdamW) -> dict:
     rank, bf16) the masters stand in for the bf16 parameters (and leave the optimiser's entries), so a
     checkpoint is the same on any number of ranks and resumes on any other."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    if any(not p.requires_grad for p in model.parameters()):  # LoRA: the frozen base is --model's, not saved
+    if _has_frozen_base(model):  # LoRA: the frozen base is --model's, not saved
         model_sd = {k: v for k, v in model_sd.items() if k.endswith((".lora_A", ".lora_B"))}
     if optimizer.master_weights:  # fp32 weights joined on the host (no device memory), low bits left out
         masters = {p.data_ptr(): w for p, w in optimizer.master_params(device="cpu").items() if w is not p}
@@ -610,6 +610,11 @@ def checkpoint_state(model: CausalLM, optimizer: AdamW) -> dict:
         optim_sd["state"] = {name: {k: v for k, v in entry.items() if k != "master_lo"}  # (the live dicts: copies)
                              for name, entry in optim_sd["state"].items()}
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _has_frozen_base(model: CausalLM) -> bool:
+    """Whether some weights are frozen (LoRA): checkpoints then hold only the trained ones."""
+    return any(not p.requires_grad for p in model.parameters())
 
 
 def _failures(e: CheckpointException) -> str:
@@ -634,7 +639,7 @@ def load_checkpoint(path: str, model: CausalLM, optimizer: torch.optim.Optimizer
                                  for name, t in get_model_state_dict(model).items() if t.data_ptr() in params})
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(strict=False))  # LoRA checkpoints hold the adapters only
+                       options=StateDictOptions(strict=not _has_frozen_base(model)))  # LoRA: adapters only
     rng_path = os.path.join(path, f"rng_rank{rank:05d}.pt")
     if os.path.isfile(rng_path):  # absent when resuming on more ranks than wrote it
         rng = torch.load(rng_path, weights_only=True)
