@@ -20,7 +20,9 @@ Per run: ``tokens_per_s`` (median over the steps after ``--warmup`` of all input
 the step time being ligermodels.train's own per-step figure, or the time between the Trainer's
 consecutive ``on_step_end`` callbacks after a device sync), ``peak_mem_gb``
 (``max_memory_allocated``, whole run), and ``losses`` (every step's loss, to compare the runs'
-numbers). ``ligermodels-causal`` is the same run attending across whole rows (``--attention causal``):
+numbers). ``ligermodels-vocab`` is the same run with ``--loss-strategy vocab`` (no fp32 vocab x hidden
+gradient buffer in the loss head: less memory at large vocabularies, one more GEMM).
+``ligermodels-causal`` is the same run attending across whole rows (``--attention causal``):
 the step's cost of attending within documents. ``bare`` is the same model's training step alone
 (``benchmarks.bench_e2e``'s ligermodels step with the training loop's optimiser: bf16 parameters,
 fp32 master weights, no data loader, no document mask, no clipping, no logging) on random tokens,
@@ -46,7 +48,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPLS = ("ligermodels", "ligermodels-causal", "hf", "hf+liger", "hf+compile", "bare")
+IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-vocab", "hf", "hf+liger", "hf+compile", "bare")
 HF_IMPLS = ("hf", "hf+liger", "hf+compile")
 SEED = 0
 LR = 1e-5
@@ -86,13 +88,13 @@ def packed_rows(model_dir: str, data: str, seq: int):
 
 # ------------------------------------------------------------------------------------------ workers
 def run_ligermodels(args, model_dir: str, data: str, batch: int, out: str, profile: bool,
-                    attention: str = "documents") -> dict:
+                    attention: str = "documents", loss_strategy: str = "tokens") -> dict:
     """``python -m ligermodels.train`` as users run it; the row from its metrics.jsonl."""
     cmd = [sys.executable, "-m", "ligermodels.train", "--model", model_dir, "--from-scratch", "--data", data,
            "--out", out, "--overwrite", "--seq-len", str(args.seq), "--batch-size", str(batch),
            "--steps", str(args.steps), "--save-every", "0", "--log-every", "10", "--lr", str(LR),
            "--lr-schedule", "constant", "--warmup-steps", "0", "--seed", str(SEED), "--ac", args.ac,
-           "--attention", attention]
+           "--attention", attention, "--loss-strategy", loss_strategy]
     if profile:
         cmd += ["--profile"]
     t0 = time.perf_counter()
@@ -279,7 +281,8 @@ def main(argv=None) -> None:
             print(f"=== {impl} {model} b{batch} x {args.seq} ({time.strftime('%T')})", flush=True)
             if impl.startswith("ligermodels"):
                 row = run_ligermodels(args, model_dir, data, batch, out, args.profile and impl == "ligermodels",
-                                      "causal" if impl == "ligermodels-causal" else "documents")
+                                      "causal" if impl == "ligermodels-causal" else "documents",
+                                      "vocab" if impl == "ligermodels-vocab" else "tokens")
             else:
                 row = run_worker(args, impl, model, batch, model_dir, data, out)
             row = {"impl": impl, "model": model, "batch": batch, "seq": args.seq, "ac": args.ac, **row}

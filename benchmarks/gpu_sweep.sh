@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# One device call: GPU test-suite, then kernel, loss, decode and end-to-end benchmarks.
-# Usage on the GPU machine (repo root):  bash benchmarks/gpu_sweep.sh [tests|kernels|linear|flce|decode|e2e|all]...
+# One device call: GPU test-suite, then kernel, attention, loss, decode and end-to-end benchmarks.
+# Usage on the GPU machine (repo root):
+#   bash benchmarks/gpu_sweep.sh [tests|kernels|attention|linear|flce|decode|e2e|all]...
 # Everything (logs, results JSON, profiles) is written to /tmp/sweep and packed into $OUT/sweep.tgz at the
 # end (the device tool returns at most 8 files). Each step has its own time limit (seconds), so the pack
 # still happens when one step hangs:
-#   T_TEST_FILE T_KERNELS T_LINEAR T_FLCE T_DECODE T_E2E   (TEST_FILES limits the test files)
+#   T_TEST_FILE T_KERNELS T_LINEAR T_FLCE T_DECODE T_E2E T_ATTENTION   (TEST_FILES limits the test files)
 # KERNELS="rms_norm rope" limits the kernel families (rows of the others are kept from the committed JSON).
 # E2E="llama-1b:8 qwen2-1.5b:4" and E2E_IMPLS="ligermodels hf hf+liger ..." choose the end-to-end runs;
 # LINEAR="qwen2-7b:4 gemma-2b:4" chooses the projection-GEMM shapes (bench_linear);
+# ATTENTION_ARGS adds bench_attention flags (e.g. "--shapes qwen2-1.5b:4 gemma-2b:4");
 # DECODE_ARGS adds bench_decode flags (e.g. "--only ligermodels-compiled transformers-static").
 # E2E_ARGS adds flags (e.g. "--profile", "--max-batch", "--ac").
 set -uo pipefail
@@ -33,6 +35,8 @@ for what in "${@:-all}"; do
       old=$(ls -t benchmarks/results/kernels-*.json 2>/dev/null | head -n 1)
       timeout "${T_KERNELS:-300}" python3 -m benchmarks.bench_kernels --out "$RES" \
         ${KERNELS:+--only $KERNELS ${old:+--merge-from $old}} 2>&1 | tee "$RES/bench_kernels.log" | tail -n 60 ;;&
+    attention|all) timeout "${T_ATTENTION:-300}" python3 -m benchmarks.bench_attention --out "$RES" ${ATTENTION_ARGS:-} \
+                     2>&1 | tee "$RES/bench_attention.log" | cut -c1-400 ;;&
     linear|all) timeout "${T_LINEAR:-200}" python3 -m benchmarks.bench_linear --out "$RES" ${LINEAR:+--models $LINEAR} 2>&1 \
                   | tee "$RES/bench_linear.log" | tail -n 80 ;;&
     flce|all) timeout "${T_FLCE:-150}" python3 -m benchmarks.bench_flce --out "$RES" 2>&1 \

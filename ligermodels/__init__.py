@@ -13,7 +13,7 @@ from ligermodels.dependencies import require_runtime_dependencies
 
 require_runtime_dependencies()  # names a missing package before torch or triton is imported
 
-from ligermodels.attention import AttentionMask, causal_attention
+from ligermodels.attention import AttentionMask, Documents, causal_attention
 from ligermodels.blocks import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from ligermodels.config import DecoderConfig
 from ligermodels.cuda_graph import CUDAGraphStep
@@ -39,7 +39,7 @@ from ligermodels.rope import RopeConfig
 from ligermodels.tokenizer import load_tokenizer
 
 __all__ = [
-    "AttentionMask", "causal_attention", "MLP", "Attention", "DecoderLayer", "RMSNorm", "RotaryEmbedding",
+    "AttentionMask", "Documents", "causal_attention", "MLP", "Attention", "DecoderLayer", "RMSNorm", "RotaryEmbedding",
     "DecoderConfig", "CUDAGraphStep", "FAMILIES", "AutoLigerModel", "LigerGemma", "LigerLlama", "LigerMistral",
     "LigerPhi3", "LigerQwen2", "LigerQwen3", "LigerGemma2", "LigerGemma3", "LigerGlm4",
     "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",

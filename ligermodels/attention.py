@@ -9,11 +9,16 @@ document masking, through PyTorch's fused attention kernels.
   A backend that cannot take a call falls through to the next one.
   Grouped-query attention uses ``enable_gqa``, so k/v are never repeated in memory.
 * A sliding window shorter than the sequence, or packed documents (attention must not cross a
-  document boundary), need a mask. On CUDA, for sequences longer than one FlexAttention block
-  (128), that is FlexAttention with a block-sparse mask (only the blocks that hold allowed pairs are
-  computed); elsewhere, and for short sequences where one block holds everything (and Inductor's
-  FlexAttention template may have no valid configuration for tiny head dims), a dense boolean mask
-  through SDPA.
+  document boundary), need more than ``is_causal``. On CUDA in bf16/fp16 (head_dim a multiple of 8, at
+  most 256, no dropout) that is FlashAttention-2's variable-length kernel, through PyTorch's own
+  ``aten._flash_attention_forward`` / ``_backward``: the (B, S) rows are flattened to B*S tokens and
+  each document is one sequence of ``cu_seqlens`` (:class:`Documents`), so no work is spent on pairs
+  across documents and no mask is built; a window is FlashAttention's ``window_size_left``. Elsewhere
+  on CUDA (fp32, other head dims), for sequences longer than one FlexAttention block (128), it is
+  FlexAttention with a block-sparse mask (only the blocks that hold allowed pairs are computed); on
+  other devices, and for short sequences where one block holds everything, a dense boolean mask
+  through SDPA. ``LIGERMODELS_MASKED_ATTENTION=flex`` sends the CUDA cases to FlexAttention instead
+  (for comparisons; ``benchmarks/bench_attention.py``).
 
 A query at position q sees a key at position k when ``k <= q``, ``q - k < window`` and both lie in
 the same document (HF's sliding-window convention: the window counts the query itself).
@@ -34,23 +39,100 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
+def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) document ids from positions that restart at 0 at each document start (no host sync)."""
+    return torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents of a (B, S) batch, in both forms the attention paths read.
+
+    Attributes:
+        ids: (B, S) int document ids, non-decreasing along each row (the masks' form); None for whole rows.
+        cu_seqlens: (N + 1,) int32, FlashAttention's variable-length form: where each of the N
+            documents starts among the B*S tokens of the flattened batch, then B*S. A row always
+            starts a new sequence, so a document cut by a row end is two sequences, as it is for
+            the masks (each row attends within itself).
+        max_len: the longest of the N sequences (a host int: it sizes the kernel's grid).
+
+    Build it where the positions are still on the host (``Documents.from_positions(pos).to("cuda")``,
+    as ``ligermodels.train`` does) and no step waits for the device; from device ids,
+    :meth:`from_ids` copies them to the host once.
+    """
+
+    ids: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def from_positions(cls, position_ids: torch.Tensor) -> Documents:
+        """From (B, S) positions that restart at 0 at each document start."""
+        return cls.from_ids(document_ids_from_positions(position_ids))
+
+    @classmethod
+    def from_ids(cls, document_ids: torch.Tensor) -> Documents:
+        """From (B, S) document ids (one device-to-host copy when they are on a GPU)."""
+        if document_ids.dim() != 2:
+            raise ValueError(f"document_ids must be (batch, seq), got shape {tuple(document_ids.shape)}")
+        ids = document_ids.cpu()
+        b, s = ids.shape
+        start = torch.ones(b, s, dtype=torch.bool)
+        start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        cu = torch.cat([start.flatten().nonzero().flatten(), torch.tensor([b * s])]).to(torch.int32)
+        cu_seqlens = cu if document_ids.device.type == "cpu" else _to(cu, document_ids.device)
+        return cls(document_ids, cu_seqlens, int(cu.diff().max()))
+
+    def to(self, device: torch.device | str) -> Documents:
+        """The same documents on ``device`` (from pinned host memory, without waiting, to a GPU)."""
+        device = torch.device(device)
+        return Documents(_to(self.ids, device), _to(self.cu_seqlens, device), self.max_len)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class AttentionMask:
     """What each layer's attention may look at, built once per forward and shared by all layers.
 
     Attributes:
         seq_len: query/key length S.
-        document_ids: (B, S) int tensor, equal ids = same document; None = one document per row.
-        cache: per-window masks built on first use (dense bool (B, 1, S, S) or a FlexAttention BlockMask).
+        document_ids: (B, S) int tensor, equal ids = same document, or :class:`Documents` (which also
+            carries FlashAttention's variable-length bounds); None = one document per row.
+        cache: per-window masks built on first use (dense bool (B, 1, S, S) or a FlexAttention BlockMask),
+            and the variable-length bounds.
     """
 
     seq_len: int
-    document_ids: torch.Tensor | None = None
+    document_ids: torch.Tensor | Documents | None = None
     cache: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.document_ids, Documents):
+            self.cache["varlen"] = self.document_ids
+            self.document_ids = self.document_ids.ids
 
     def needs_mask(self, window: int | None) -> bool:
         """Whether attention with this window needs more than plain causal masking."""
         return self.document_ids is not None or (window is not None and window < self.seq_len)
+
+    def varlen(self, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """(cu_seqlens (N + 1,) int32, longest sequence) of the flattened batch: the documents', or one
+        sequence per row without documents."""
+        if "varlen" not in self.cache:
+            if self.document_ids is not None:
+                self.cache["varlen"] = Documents.from_ids(self.document_ids)
+            else:
+                rows = torch.arange(0, (batch + 1) * self.seq_len, self.seq_len, dtype=torch.int32, device=device)
+                self.cache["varlen"] = Documents(None, rows, self.seq_len)
+        spans = self.cache["varlen"]
+        return _to(spans.cu_seqlens, device), spans.max_len
 
     def allowed(self, window: int | None, device: torch.device) -> torch.Tensor:
         """Dense (B or 1, 1, S, S) bool mask: True where a query may attend to a key."""
@@ -174,6 +256,13 @@ def _softcap_mod(cap: float):
     return _softcap_mods[cap]
 
 
+#: FlexAttention ``kernel_options`` by head_dim for bf16/fp16 on Hopper (compute capability 9.0); Inductor's
+#: defaults elsewhere. At head_dim 256 its default backward (64x64 blocks, 4 warps) ran one Gemma-2-2B layer
+#: (batch 4 x 2048, documents, soft-capping) in 2.33 ms fwd+bwd on an H100, 8 warps in 1.86 ms
+#: (benchmarks/results/attention-NVIDIA_H100_80GB_HBM3-2026-11-25.json).
+FLEX_KERNEL_OPTIONS: dict[int, dict] = {256: {"bwd_num_warps": 8}}
+
+
 def _flex_attention(q, k, v, block_mask, scale, enable_gqa, softcap=None):
     global _compiled_flex
     if _compiled_flex is None:
@@ -181,7 +270,45 @@ def _flex_attention(q, k, v, block_mask, scale, enable_gqa, softcap=None):
 
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     mod = None if softcap is None else _softcap_mod(softcap)
-    return _compiled_flex(q, k, v, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    tuned = q.dtype != torch.float32 and torch.cuda.get_device_capability(q.device) == (9, 0)
+    return _compiled_flex(q, k, v, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                          kernel_options=FLEX_KERNEL_OPTIONS.get(q.shape[-1]) if tuned else None)
+
+
+#: Where masked attention (documents, windows) runs on CUDA: "flash" (FlashAttention-2's variable-length
+#: kernel where it applies, else FlexAttention) or "flex" (always FlexAttention). Env LIGERMODELS_MASKED_ATTENTION.
+MASKED_ATTENTION = os.environ.get("LIGERMODELS_MASKED_ATTENTION", "flash")
+if MASKED_ATTENTION not in ("flash", "flex"):
+    raise ValueError(f"LIGERMODELS_MASKED_ATTENTION={MASKED_ATTENTION!r}: choose 'flash' or 'flex'")
+
+
+def flash_varlen_applies(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether FlashAttention-2's variable-length kernel takes these queries: CUDA (compute capability 8+),
+    bf16 / fp16, head_dim a multiple of 8 up to 256, no dropout."""
+    d = q.shape[-1]
+    return (MASKED_ATTENTION == "flash" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and d % 8 == 0 and d <= 256 and dropout_p == 0.0
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_len: int, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """Causal attention within each sequence of a packed batch, by FlashAttention-2 (PyTorch's ``aten`` build).
+
+    q (B, S, Hq, D), k / v (B, S, Hkv, D), strided views of one projection buffer read in place (only the
+    last dimension must be contiguous); the B*S tokens are split into sequences by ``cu_seqlens`` (N + 1,)
+    int32, the longest ``max_len`` tokens (:meth:`AttentionMask.varlen`). Grouped-query heads are native to
+    the kernel (k / v never repeated). ``window``: a key at most ``window - 1`` tokens before its query
+    (HF's convention counts the query itself). Returns (B, S, Hq, D). Differentiable through PyTorch's own
+    backward formula; that kernel accumulates dq with atomics, so the gradients are not bit-for-bit
+    repeatable (as with SDPA's cuDNN and flash backends).
+    """
+    b, s, hq, d = q.shape
+    left = -1 if window is None or window >= max_len else window - 1
+    o = torch.ops.aten._flash_attention_forward(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
+        False, scale=d ** -0.5 if scale is None else scale, window_size_left=left, window_size_right=0)[0]
+    return o.view(b, s, hq, d)
 
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -233,6 +360,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
         with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,
                                                enable_gqa=gqa)
+    elif flash_varlen_applies(q, dropout_p):
+        return flash_varlen_attention(q, k, v, *mask.varlen(q.shape[0], q.device), window=window, scale=scale)
     elif q.is_cuda and dropout_p == 0.0 and q.shape[1] > FLEX_MIN_SEQ:
         o = _flex_attention(qt, kt, vt, mask.block_mask(window, q.shape[0], q.device), scale, gqa)
     else:

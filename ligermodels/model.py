@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_linear_cross_entropy
-from ligermodels.attention import AttentionMask
+from ligermodels.attention import AttentionMask, Documents, document_ids_from_positions
 from ligermodels.blocks import DecoderLayer, RMSNorm, RotaryEmbedding, init_linear_
 from ligermodels.config import DecoderConfig
 
@@ -63,14 +63,18 @@ class CausalLM(nn.Module):
 
     # --------------------------------------------------------------------------------- forward
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | None = None, cache: KVCacheStep | None = None) -> torch.Tensor:
+                      document_ids: torch.Tensor | Documents | None = None, cache: KVCacheStep | None = None
+                      ) -> torch.Tensor:
         """Final-norm hidden states (B, S, H) for token ids (B, S).
 
         Args:
             position_ids: (B, S) or (S,) positions; default 0..S-1. Packed sequences pass positions
                 that restart at 0 for each document.
             document_ids: (B, S) ids; tokens attend only within their own document. Derive them from
-                restarting positions with :func:`document_ids_from_positions`.
+                restarting positions with :func:`document_ids_from_positions`, or pass
+                ``Documents.from_positions(position_ids)`` built on the host: on CUDA the packed-document
+                kernel needs the documents' bounds on the host, which plain ids cost one device-to-host
+                copy per forward to get.
             cache: generation only: one step of a :class:`ligermodels.generation.KVCache` (its
                 ``step(...)``); the layers write their k/v into it and attend over it.
         """
@@ -96,12 +100,12 @@ class CausalLM(nn.Module):
         return z if cap is None else torch.tanh(z / cap) * cap
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | Documents | None = None) -> torch.Tensor:
         """Logits (B, S, V) in the parameter dtype (soft-capped when the config says so)."""
         return self.logits(self.hidden_states(input_ids, position_ids, document_ids))
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items: int | torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | Documents | None = None,
              ignore_index: int = -100, **loss_options) -> torch.Tensor:
         """Mean next-token cross-entropy with HF's convention, without materialising logits.
 
@@ -152,6 +156,4 @@ class CausalLM(nn.Module):
         save_hf(self, out_dir, max_shard_bytes=max_shard_bytes)
 
 
-def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, S) document ids from positions that restart at 0 at each document start (no host sync)."""
-    return torch.cumsum((position_ids == 0).to(torch.int32), dim=-1)
+__all__ = ["CausalLM", "document_ids_from_positions"]

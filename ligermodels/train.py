@@ -79,6 +79,7 @@ from checkpoints_tools import CheckpointError, load_hf, read_config, resolve, sa
 from checkpoints_tools.hub import safetensors_files
 from kernels import AdamW
 from ligermodels import demo_corpus
+from ligermodels.attention import Documents
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.cli import environment_error, print_error
 from ligermodels.config import DecoderConfig
@@ -86,7 +87,7 @@ from ligermodels.data import DataError, Document, PackedRows, count_loss_tokens,
 from ligermodels.families import UnsupportedConfigError, config_from_hf, family_of
 from ligermodels.generation import generate
 from ligermodels.lora import LoRAError, add_lora, export_lora, normalize_targets
-from ligermodels.model import CausalLM, document_ids_from_positions
+from ligermodels.model import CausalLM
 from ligermodels.tokenizer import load_tokenizer
 
 
@@ -952,8 +953,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         num_items = n_tokens.clamp(min=1)
         loss_sum = torch.zeros((), device=device)
         for input_ids, labels, positions in micro:
+            # the documents' bounds are found here, on the host, so attention needs no device-to-host copy
+            documents = Documents.from_positions(positions).to(device) if args.attention == "documents" else None
             input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
-            documents = document_ids_from_positions(positions) if args.attention == "documents" else None
             loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
                               document_ids=documents, strategy=args.loss_strategy)
             (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ligermodels import attention
-from ligermodels.attention import AttentionMask, causal_attention
+from ligermodels.attention import AttentionMask, Documents, causal_attention
 from tests.utils import DEVICE, assert_rel, randn, rel_err
 
 CASES = {  # name: (batch, seq, q heads, kv heads, head_dim, window, documents)
@@ -21,8 +21,9 @@ CASES = {  # name: (batch, seq, q heads, kv heads, head_dim, window, documents)
     "window_gqa": (2, 41, 4, 1, 64, 9, False),
     "documents_gqa_d96": (2, 33, 4, 2, 96, None, True),
 }
-if DEVICE.type == "cuda":  # longer than one FlexAttention block: the block-sparse path
-    CASES |= {"causal_long": (2, 300, 8, 2, 128, None, False), "window_documents_long": (1, 300, 4, 2, 64, 50, True)}
+if DEVICE.type == "cuda":  # longer than one FlexAttention block: the block-sparse path (fp32), FlashAttention (bf16)
+    CASES |= {"causal_long": (2, 300, 8, 2, 128, None, False), "window_documents_long": (1, 300, 4, 2, 64, 50, True),
+              "documents_mqa_d256_long": (2, 333, 8, 1, 256, None, True), "window_d80": (2, 150, 4, 2, 80, 21, False)}
 
 
 def reference(q, k, v, window, doc, softcap=None, scale=None):
@@ -61,7 +62,7 @@ def test_causal_attention_matches_float64_forward_and_gradients(case, dtype):
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = (t.unflatten(-1, (-1, d)) for t in (q, k, v))
     doc = _documents(b, s) if docs else None
-    mask = AttentionMask(s, doc) if (docs or window is not None) else None
+    mask = AttentionMask(s, Documents.from_ids(doc) if doc is not None else None) if (docs or window) else None
     out = causal_attention(q, k, v, mask=mask, window=window)
     grad = randn(*out.shape, dtype=dtype)
     (out * grad).sum().backward()
@@ -193,3 +194,40 @@ def test_cached_attention_softcap_matches_reference():
     scores = 1.5 * torch.tanh((q64 @ k64.transpose(-1, -2)) * 0.25 / 1.5)
     ref = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v64).transpose(1, 2)
     assert_rel(out, ref, torch.float32, "cached softcapped attention", 1e-5)
+
+
+def test_documents_bounds_split_rows_and_documents():
+    """cu_seqlens starts a sequence at every document start and every row start (a document cut by a row
+    end is two sequences); max_len is the longest; from positions and from ids agree."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])  # row 1 continues a document
+    docs = Documents.from_positions(pos)
+    assert docs.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 12] and docs.cu_seqlens.dtype == torch.int32
+    assert docs.max_len == 4
+    again = Documents.from_ids(docs.ids)
+    assert torch.equal(again.cu_seqlens, docs.cu_seqlens) and again.max_len == 4
+    with pytest.raises(ValueError, match="document_ids must be"):
+        Documents.from_ids(torch.zeros(6, dtype=torch.int32))
+
+
+def test_documents_and_plain_ids_give_the_same_attention():
+    """AttentionMask(S, Documents) attends as AttentionMask(S, ids) does (whatever the path: FlashAttention
+    from the bounds on CUDA in bf16, masks elsewhere), and a model forward takes either."""
+    b, s, hq, hkv, d = 2, 40, 4, 2, 16
+    q, k, v = randn(b, s, hq, d, seed=1), randn(b, s, hkv, d, seed=2), randn(b, s, hkv, d, seed=3)
+    doc = _documents(b, s)
+    out_ids = causal_attention(q, k, v, mask=AttentionMask(s, doc))
+    out_docs = causal_attention(q, k, v, mask=AttentionMask(s, Documents.from_ids(doc)))
+    assert torch.equal(out_ids, out_docs)
+    assert_rel(out_docs, reference(q, k, v, None, doc), torch.float32, "documents", 1e-5)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="FlashAttention needs CUDA")
+def test_bf16_documents_and_windows_run_flash_varlen():
+    """Packed documents and a window shorter than the sequence run FlashAttention's variable-length kernel
+    in bf16 on CUDA (not FlexAttention, not a dense mask)."""
+    qkv = randn(2, 256, 12 * 64, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (t.unflatten(-1, (-1, 64)) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
+    for mask, window in ((AttentionMask(256, Documents.from_ids(_documents(2, 256))), None), (None, 100)):
+        out = causal_attention(q, k, v, mask=mask, window=window)
+        node = out.grad_fn.next_functions[0][0]  # out is a view of the kernel's (B*S, Hq, D) output
+        assert type(node).__name__ == "FlashAttentionBackward0", f"window {window}: {type(node).__name__}"

@@ -55,11 +55,17 @@ def gpu_case(case: str) -> tuple[str, dict]:
 
 
 def _load_hf(directory: str, dtype: torch.dtype, device: str):
-    """transformers' model from the checkpoint in ``dtype``: sdpa attention, or eager where sdpa is refused."""
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
-    except (ValueError, ImportError):
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager")
+    """transformers' model from the checkpoint in ``dtype``: sdpa attention, or eager where sdpa is refused or
+    would compute other math: attention-logit soft-capping (Gemma 2), which some transformers 5 releases' sdpa
+    path drops without a word (5.17 did: every output of the soft-capped case then differed from ours)."""
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if getattr(config, "attn_logit_softcapping", None) is None:
+        try:
+            return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype,
+                                                                     attn_implementation="sdpa").to(device).eval()
+        except (ValueError, ImportError):
+            pass
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager")
     return model.to(device).eval()
 
 
