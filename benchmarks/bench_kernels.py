@@ -20,7 +20,9 @@ import torch
 from benchmarks.harness import copy_bandwidth_gbs, environment, write_results
 from benchmarks.report import newest_results
 
-FAMILIES = ["glu", "rms_norm", "rope", "cross_entropy", "adamw"]
+#: Case modules, ``benchmarks/kernels_<family>.py``; ``rope_variants``: the q/k-norm + RoPE, partial and
+#: interleaved rotary of the newer families.
+FAMILIES = ["glu", "rms_norm", "rope", "rope_variants", "cross_entropy", "adamw"]
 
 
 def main() -> None:
