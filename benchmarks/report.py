@@ -190,9 +190,11 @@ def flce_table(d: dict) -> str:
 
 
 def _e2e_variant(r: dict) -> str:
-    """eager / compile, plus the loss-head strategy and the SDPA backend order when the run chose them."""
+    """eager / compile, plus the loss-head strategy and the SDPA backend order when the run chose them, and a
+    transformers baseline's attention when it is not SDPA (Gemma 2: eager, for its soft-capping)."""
     v = r.get("variant", "")
     v += f", loss head: {r['flce_strategy']}" if r.get("flce_strategy") else ""
+    v += f", {r['hf_attention']} attention" if r.get("hf_attention") else ""
     return v + (f", attention: {r['sdpa_backends']}" if r.get("sdpa_backends") else "")
 
 
@@ -362,7 +364,8 @@ def train_table(runs: list[dict]) -> str:
              "is max allocated (GB = 1e9 B).", "",
              "| model | batch | run | tokens/s | peak memory (GB) |", "|---|---|---|---|---|"]
     for r in (r for run in runs for r in run["rows"]):
-        head = f"| {r['model']} | {r['batch']} | {_TRAIN_IMPLS.get(r['impl'], r['impl'])} |"
+        attention = f" ({r['hf_attention']} attention)" if r.get("hf_attention") else ""
+        head = f"| {r['model']} | {r['batch']} | {_TRAIN_IMPLS.get(r['impl'], r['impl'])}{attention} |"
         if "error" in r:
             lines.append(f"{head} {'out of memory' if r.get('oom') else 'failed'} | |")
         else:

@@ -1,5 +1,7 @@
-"""The benchmark definitions that can be checked without a GPU: the eager baselines of the rope-variant kernel
-cases compute what our ops compute, and the README's tables read the newest results file by its recorded date."""
+"""The benchmark definitions that can be checked without a GPU: the end-to-end model shapes (benchmarks/bench_e2e.py
+MODELS) describe the same model to ligermodels and to transformers, the flop count, the transformers attention
+each family needs, the eager baselines of the rope-variant kernel cases compute what our ops compute, and the
+README's tables read the newest results file by its recorded date and show the transformers attention used."""
 
 from __future__ import annotations
 
@@ -9,8 +11,74 @@ import json
 import pytest
 import torch
 
+from benchmarks import bench_e2e, report
 from benchmarks import kernels_rope_variants as rv
-from benchmarks import report
+from ligermodels.families import config_from_hf, family_of
+
+transformers = pytest.importorskip("transformers")
+
+
+# ------------------------------------------------------------------------------------ e2e shapes
+@pytest.mark.parametrize("name", sorted(bench_e2e.MODELS))
+def test_model_shape_builds_the_same_model_in_ligermodels_and_transformers(name):
+    """Each MODELS entry reads as a ligermodels config, and the model built from it has as many parameters as
+    transformers' model of the same dict (both on the meta device: no memory)."""
+    d = bench_e2e.MODELS[name]
+    config = config_from_hf(d)
+    hf_config = transformers.AutoConfig.for_model(**d)
+    with torch.device("meta"):
+        ours = family_of(d["model_type"]).cls(config)
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation=bench_e2e.hf_attention(d["model_type"]))
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert config.tie_embeddings == hf_config.tie_word_embeddings
+    assert config.head_dim == getattr(hf_config, "head_dim", d["hidden_size"] // d["num_attention_heads"])
+    assert config.rope.theta == hf_config.rope_parameters["rope_theta"]
+
+
+def test_new_model_shapes_read_their_mechanisms_as_transformers_does():
+    """Qwen3-1.7B (q/k head norms, no window) and Gemma-2-2B (soft-capping, attention scale, alternate windows)
+    mean the same thing to both libraries."""
+    qwen3 = config_from_hf(bench_e2e.MODELS["qwen3-1.7b"])
+    assert qwen3.qk_norm and qwen3.layer_windows == (None,) * 28 and qwen3.rope.theta == 1_000_000.0
+    assert sum(p.numel() for p in family_of("qwen3").cls(qwen3).to("meta").parameters()) == 1_720_574_976
+
+    d = bench_e2e.MODELS["gemma2-2b"]
+    gemma2, hf = config_from_hf(d), transformers.AutoConfig.for_model(**d)
+    assert gemma2.attn_softcap == hf.attn_logit_softcapping == 50.0
+    assert gemma2.final_softcap == hf.final_logit_softcapping == 30.0
+    assert gemma2.attn_scale == hf.query_pre_attn_scalar ** -0.5 == 256 ** -0.5
+    assert gemma2.layer_windows == tuple(4096 if t == "sliding_attention" else None for t in hf.layer_types)
+    assert gemma2.layer_windows[:2] == (4096, None)
+
+
+def test_hf_baselines_use_an_attention_that_computes_the_models_math():
+    """Gemma 2's transformers baseline attends eagerly (the soft-cap applied); the other families through SDPA.
+    Every model type has a Liger-Kernel patch named."""
+    assert bench_e2e.hf_attention("gemma2") == "eager"
+    assert {bench_e2e.hf_attention(d["model_type"]) for d in bench_e2e.MODELS.values()} == {"sdpa", "eager"}
+    assert {d["model_type"] for d in bench_e2e.MODELS.values()} <= set(bench_e2e.LIGER_PATCH)
+    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=bench_e2e.hf_attention("gemma2"))
+    assert model.config._attn_implementation == "eager" and model.config.attn_logit_softcapping == 50.0
+
+
+def test_step_flops_counts_sliding_windows():
+    """Without windows (or windows no shorter than the sequence) the count is the causal half S^2 / 2 per layer;
+    Gemma-2-2B's 13 sliding layers at S = 8192 count S*W - W^2/2 pairs with W = 4096."""
+    def closed_form(name, batch, seq):
+        d = bench_e2e.MODELS[name]
+        h, layers, hq = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
+        hd, hkv = d.get("head_dim", h // hq), d["num_key_value_heads"]
+        params = layers * (h * (hq + 2 * hkv) * hd + hq * hd * h + 3 * h * d["intermediate_size"]) + d["vocab_size"] * h
+        return 6 * params * batch * seq + 3 * 4 * batch * seq * seq * hq * hd * layers / 2, 12 * batch * hq * hd
+
+    for name in bench_e2e.MODELS:
+        assert bench_e2e.step_flops(name, 4, 2048) == pytest.approx(closed_form(name, 4, 2048)[0], rel=1e-12)
+    full, per_pair = closed_form("gemma2-2b", 2, 8192)
+    saved = 13 * (8192 * 8192 / 2 - (8192 * 4096 - 4096 * 4096 / 2))
+    assert bench_e2e.step_flops("gemma2-2b", 2, 8192) == pytest.approx(full - per_pair * saved, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- rope-variant kernel cases
@@ -90,3 +158,9 @@ def test_report_reads_the_newest_results_by_date_and_shows_new_ops(tmp_path):
     for op in ("qk_norm_rope", "rope_partial_inplace"):
         for pas in ("fwd", "bwd"):
             assert f"| {op} | {pas} | 2500 | 75% | 90% | 60% | 10.00x | 1.25x | 0.040 |" in table
+
+
+def test_report_names_a_baselines_attention_when_it_is_not_sdpa():
+    """Gemma 2's transformers rows say they attend eagerly, in the end-to-end and the training tables."""
+    assert report._e2e_variant({"variant": "compile", "hf_attention": "eager"}) == "compile, eager attention"
+    assert report._e2e_variant({"variant": "eager"}) == "eager"
