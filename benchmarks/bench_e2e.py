@@ -8,7 +8,9 @@ for every implementation), random init from the public config's shapes, random t
 (the models shift them). Each (impl, model, batch) runs in its own process, so one implementation's
 allocator state, compiled graphs or patched modules never reach another. Times are the median of
 ``--steps`` CUDA-event timed steps after ``--warmup`` steps; peak memory is ``max_memory_allocated``
-over the whole run (weights, gradients, optimiser state and activations).
+over the whole run (weights, gradients, optimiser state and activations). The transformers models attend
+through SDPA, except where SDPA would skip part of the model's math (``HF_ATTENTION``: Gemma 2's attention
+soft-capping runs in transformers' eager attention).
 
     python -m benchmarks.bench_e2e --runs llama-1b:8 qwen2-1.5b:4 --impls ligermodels hf hf+liger hf+compile
     python -m benchmarks.bench_e2e --runs llama-1b:8 --impls ligermodels --profile   # + op-category budget
@@ -17,7 +19,8 @@ over the whole run (weights, gradients, optimiser state and activations).
 Writes (and merges into) ``e2e-<gpu>-<date>.json``: rows ``{"impl", "variant", "model", "batch", "seq",
 "tokens_per_s", "peak_mem_gb", "mfu", "step_ms", "matmul_floor_ms"}``; an out-of-memory run has
 ``"oom": true``. MFU = (6 x matmul parameters x tokens + attention flops) / step time / 989 TFLOP/s
-(H100/H200 dense bf16 peak), attention flops = 3 (fwd + bwd) x 4 B S^2 Hq D x L / 2 (causal half).
+(H100/H200 dense bf16 peak), attention flops = 3 (fwd + bwd) x 4 B S^2 Hq D x L / 2 (causal half; a layer
+with a sliding window W < S counts B (S W - W^2 / 2) pairs instead of B S^2 / 2).
 ``matmul_floor_ms`` is the same flops at the bf16 matmul rate measured in the same process. Memory in
 GB = 1e9 bytes.
 """
@@ -40,8 +43,26 @@ import torch
 from benchmarks.harness import RESULTS, environment
 
 PEAK_BF16_TFLOPS = 989.0
+#: Liger-Kernel's patch per ``model_type`` (liger-kernel 0.8.5 names), applied to the transformers classes
+#: before the model is built.
 LIGER_PATCH = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
-               "gemma": "apply_liger_kernel_to_gemma", "mistral": "apply_liger_kernel_to_mistral"}
+               "gemma": "apply_liger_kernel_to_gemma", "mistral": "apply_liger_kernel_to_mistral",
+               "qwen3": "apply_liger_kernel_to_qwen3", "gemma2": "apply_liger_kernel_to_gemma2"}
+
+#: transformers' attention implementation per ``model_type`` where SDPA (the default here) would not compute
+#: the model's math. Gemma 2 soft-caps its attention logits (``attn_logit_softcapping``), which SDPA cannot
+#: express: transformers 5.24 refuses ``attn_implementation="sdpa"`` for it (``Gemma2PreTrainedModel.
+#: _supports_sdpa = False``: a ValueError when the model is built). "eager" applies the cap
+#: (``eager_attention_forward(..., softcap=...)``), as ligermodels does (FlexAttention's ``score_mod`` on CUDA),
+#: so both sides compute the same attention: a baseline computing less would not be a fair comparison. Eager
+#: materialises the (B, Hq, S, S) scores, so it is slower and larger than a fused kernel would be.
+HF_ATTENTION = {"gemma2": "eager"}
+
+
+def hf_attention(model_type: str) -> str:
+    """The ``attn_implementation`` the transformers baselines use for ``model_type`` (see HF_ATTENTION)."""
+    return HF_ATTENTION.get(model_type, "sdpa")
+
 
 # Public config.json shapes (no network on the GPU machine); transformers 5 field names.
 MODELS: dict[str, dict] = {
@@ -64,6 +85,20 @@ MODELS: dict[str, dict] = {
                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                      max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu",
                      use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen/Qwen3-1.7B: q/k head norms (fused with RoPE in ligermodels), explicit head_dim, no sliding window.
+    "qwen3-1.7b": dict(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+                       attention_bias=False, use_sliding_window=False, max_window_layers=28,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # google/gemma-2-2b: sandwich norms, attention-logit (50) and final-logit (30) soft-capping, a 4096 window on
+    # alternate layers (transformers' default layer_types: the even layers slide), attention scale 256 ** -0.5.
+    "gemma2-2b": dict(model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      max_position_embeddings=8192, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                      query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                      sliding_window=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 
 
@@ -72,8 +107,23 @@ FLCE_STRATEGY: str | None = None
 
 
 # ------------------------------------------------------------------------------------------ flops
+def attended_pairs(seq: int, window: int | None) -> float:
+    """(query, key) pairs one causal attention computes per sequence: seq^2 / 2, or with a sliding window
+    shorter than the sequence seq * window - window^2 / 2 (the same at window = seq)."""
+    if window is None or window >= seq:
+        return seq * seq / 2
+    return seq * window - window * window / 2
+
+
 def step_flops(model: str, batch: int, seq: int) -> float:
-    """Flops of one training step: 6 x matmul parameters x tokens + causal attention (fwd + bwd)."""
+    """Flops of one training step: 6 x matmul parameters x tokens + causal attention (fwd + bwd).
+
+    Attention is 4 * D flops per (query, key) pair and head forward (scores and the value product), three
+    times that forward + backward, over each layer's attended pairs (its sliding window, if any, from the
+    ligermodels config of the model: Gemma 2's alternate layers, Qwen layers marked sliding). The q/k head
+    norms, soft-capping and the other elementwise work are not counted."""
+    from ligermodels.families import config_from_hf
+
     d = MODELS[model]
     h, layers, v = d["hidden_size"], d["num_hidden_layers"], d["vocab_size"]
     hq, hkv = d["num_attention_heads"], d["num_key_value_heads"]
@@ -81,7 +131,8 @@ def step_flops(model: str, batch: int, seq: int) -> float:
     per_layer = h * (hq + 2 * hkv) * hd + hq * hd * h + 3 * h * d["intermediate_size"]
     matmul_params = layers * per_layer + v * h  # the output head is a matmul, tied or not
     tokens = batch * seq
-    attention = 3 * 4 * batch * seq * seq * hq * hd * layers / 2
+    windows = config_from_hf(d).layer_windows  # one entry per layer, None = full attention
+    attention = 3 * 4 * batch * hq * hd * sum(attended_pairs(seq, w) for w in windows)
     return 6 * matmul_params * tokens + attention
 
 
@@ -125,11 +176,14 @@ def build(impl: str, model: str, activation_checkpointing: bool):
     if impl == "hf+liger":
         import liger_kernel.transformers as lk
 
+        if model_type not in LIGER_PATCH:
+            raise ValueError(f"no Liger-Kernel patch listed for model_type {model_type!r} (LIGER_PATCH)")
         getattr(lk, LIGER_PATCH[model_type])()
     config = transformers.AutoConfig.for_model(**d)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                          attn_implementation=hf_attention(model_type))
     if activation_checkpointing:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     m.config.use_cache = False
@@ -148,6 +202,9 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
     from benchmarks.harness import matmul_tflops
 
     row = base_row(impl, model, batch, seq, ac)
+    attention = hf_attention(MODELS[model]["model_type"])
+    if not impl.startswith("ligermodels") and attention != "sdpa":  # shown with the row (report._e2e_variant)
+        row["hf_attention"] = attention
     tflops = matmul_tflops()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

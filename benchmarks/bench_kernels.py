@@ -1,6 +1,6 @@
 """Kernel benchmark: every op forward and backward against eager PyTorch and torch.compile.
 
-Run on a GPU:  python -m benchmarks.bench_kernels [--out DIR] [--only rms_norm rope] [--merge-from OLD.json]
+Run on a GPU:  python -m benchmarks.bench_kernels [--out DIR] [--only rms_norm rope] [--merge-from OLD.json|latest]
 Writes ``kernels-<gpu>-<date>.json`` with the measured copy bandwidth and one row per
 (op, shape, impl, pass): ``ms`` = kernel time (the summed device time of the op's kernels, memcpys and
 memsets, host overhead excluded; ``timing: "cuda-kernels"``), ``wall_ms`` = wall time per call with the
@@ -18,8 +18,11 @@ import json
 import torch
 
 from benchmarks.harness import copy_bandwidth_gbs, environment, write_results
+from benchmarks.report import newest_results
 
-FAMILIES = ["glu", "rms_norm", "rope", "cross_entropy", "adamw"]
+#: Case modules, ``benchmarks/kernels_<family>.py``; ``rope_variants``: the q/k-norm + RoPE, partial and
+#: interleaved rotary of the newer families.
+FAMILIES = ["glu", "rms_norm", "rope", "rope_variants", "cross_entropy", "adamw"]
 
 
 def main() -> None:
@@ -27,8 +30,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--only", nargs="*", default=FAMILIES, help="families to run")
     ap.add_argument("--merge-from", help="an earlier results file: its rows for ops not rerun are kept "
-                                         "(marked with their own date and copy bandwidth)")
+                                         "(marked with their own date and copy bandwidth); 'latest': the newest "
+                                         "kernels-*.json of this GPU in benchmarks/results, by its recorded date")
     args = ap.parse_args()
+    gpu = environment()["gpu"]
+    if args.merge_from == "latest":
+        args.merge_from = newest_results("kernels", gpu=gpu)
+        print(f"merging from {args.merge_from or 'nothing (no earlier kernels-*.json of ' + gpu + ')'}")
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s (kernel time)")
@@ -52,10 +60,10 @@ def main() -> None:
         with open(args.merge_from) as f:
             old = json.load(f)
         rerun = {r["op"] for r in rows}
-        rows += [{**r, "from_run": old["date"], "run_copy_gbs": old["copy_gbs"]}
-                 for r in old["rows"] if r["op"] not in rerun]
-    gpu = environment()["gpu"].replace(" ", "_")
-    path = write_results(f"kernels-{gpu}-{environment()['date']}",
+        # a row the old file itself carried over keeps the date and copy bandwidth of the run that measured it
+        rows += [{**r, "from_run": r.get("from_run", old["date"]),
+                  "run_copy_gbs": r.get("run_copy_gbs", old["copy_gbs"])} for r in old["rows"] if r["op"] not in rerun]
+    path = write_results(f"kernels-{gpu.replace(' ', '_')}-{environment()['date']}",
                          {"copy_gbs": copy_gbs, "timing": "cuda-kernels", "rows": rows}, args.out)
     print("wrote", path)
 

@@ -14,7 +14,10 @@ position ids. transformers builds its packed-sequence attention mask from those 
 Precision regime, the same everywhere: fp32 master weights, bf16 compute, AdamW (betas 0.9/0.95,
 eps 1e-8, weight decay 0.1 on matrices; lr 1e-5 constant, no warmup), gradient clipping at 1.0.
 ligermodels.train runs with its CUDA defaults (``--save-every 0``); the Trainer with ``bf16=True``
-(fp32 parameters under bf16 autocast) and ``optim="adamw_torch_fused"``. Each run is its own process.
+(fp32 parameters under bf16 autocast) and ``optim="adamw_torch_fused"``, attending through SDPA (eager for
+Gemma 2, whose attention soft-capping SDPA cannot express: ``bench_e2e.HF_ATTENTION``); ``use_liger_kernel``
+patches the model by its ``model_type`` (liger-kernel's own table: Llama, Qwen2, Qwen3, Gemma, Gemma 2, ...).
+Each run is its own process.
 
 Per run: ``tokens_per_s`` (median over the steps after ``--warmup`` of all input tokens / step time,
 the step time being ligermodels.train's own per-step figure, or the time between the Trainer's
@@ -29,6 +32,7 @@ fp32 master weights, no data loader, no document mask, no clipping, no logging) 
 the loop's upper bound.
 
     python -m benchmarks.bench_train --out /tmp/bt --runs qwen2-1.5b:4 llama-1b:8 gemma-2b:4 qwen2-1.5b:8
+    python -m benchmarks.bench_train --out /tmp/bt --runs qwen3-1.7b:4 gemma2-2b:4 --tag n4
     python -m benchmarks.bench_train --out /tmp/bt --runs qwen2-1.5b:4 --impls ligermodels --profile
 
 Writes ``results/train-<gpu>-<date><tag>.json`` (the README reads each shape from its newest file).
@@ -119,7 +123,7 @@ def hf_worker(args) -> dict:
     import torch
     import transformers
 
-    from benchmarks.bench_e2e import MODELS
+    from benchmarks.bench_e2e import MODELS, hf_attention
 
     rows = packed_rows(args.model_dir, args.data, args.seq)
 
@@ -149,7 +153,9 @@ def hf_worker(args) -> dict:
     config = transformers.AutoConfig.for_model(**{**MODELS[args.model], "bos_token_id": 2, "eos_token_id": 3})
     torch.manual_seed(SEED)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        # SDPA, or what computes the model's whole math where SDPA would not (Gemma 2: eager; bench_e2e.HF_ATTENTION)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                              attn_implementation=hf_attention(config.model_type))
     model.config.use_cache = False
     targs = transformers.TrainingArguments(
         output_dir=os.path.join(args.out, "trainer"), per_device_train_batch_size=args.batch, max_steps=args.steps,
@@ -164,7 +170,10 @@ def hf_worker(args) -> dict:
     start = time.perf_counter()
     trainer.train()
     step_s = [b - a for a, b in zip([start, *times], times, strict=False)]
-    return summarize(step_s, losses, torch.cuda.max_memory_allocated() / 1e9, args.batch * args.seq, args.warmup)
+    row = summarize(step_s, losses, torch.cuda.max_memory_allocated() / 1e9, args.batch * args.seq, args.warmup)
+    if model.config._attn_implementation != "sdpa":  # shown with the row (report.train_table)
+        row["hf_attention"] = model.config._attn_implementation
+    return row
 
 
 def bare_worker(args) -> dict:

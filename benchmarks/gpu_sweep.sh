@@ -6,7 +6,8 @@
 # end (the device tool returns at most 8 files). Each step has its own time limit (seconds), so the pack
 # still happens when one step hangs:
 #   T_TEST_FILE T_KERNELS T_LINEAR T_FLCE T_DECODE T_E2E T_ATTENTION   (TEST_FILES limits the test files)
-# KERNELS="rms_norm rope" limits the kernel families (rows of the others are kept from the committed JSON).
+# KERNELS="rms_norm rope" limits the kernel families (rows of the others are kept from the newest committed JSON
+# of the same GPU; KERNELS="rope_variants": the q/k-norm + RoPE, partial and interleaved rotary cases).
 # E2E="llama-1b:8 qwen2-1.5b:4" and E2E_IMPLS="ligermodels hf hf+liger ..." choose the end-to-end runs;
 # LINEAR="qwen2-7b:4 gemma-2b:4" chooses the projection-GEMM shapes (bench_linear);
 # ATTENTION_ARGS adds bench_attention flags (e.g. "--shapes qwen2-1.5b:4 gemma-2b:4");
@@ -31,10 +32,9 @@ for what in "${@:-all}"; do
         timeout "${T_TEST_FILE:-120}" python3 -m pytest -q -p no:cacheprovider -rfs --tb=short --durations=3 "$f" 2>&1 \
           | tee -a "$RES/gpu_tests.log" | grep -E "passed|failed|FAILED|Error|error|SKIPPED|^E |^[0-9.]+s " | head -n 30
       done ;;&
-    kernels|all)
-      old=$(ls -t benchmarks/results/kernels-*.json 2>/dev/null | head -n 1)
+    kernels|all)  # with KERNELS, the other families' rows come from the newest kernels JSON of this GPU (by date)
       timeout "${T_KERNELS:-300}" python3 -m benchmarks.bench_kernels --out "$RES" \
-        ${KERNELS:+--only $KERNELS ${old:+--merge-from $old}} 2>&1 | tee "$RES/bench_kernels.log" | tail -n 60 ;;&
+        ${KERNELS:+--only $KERNELS --merge-from latest} 2>&1 | tee "$RES/bench_kernels.log" | tail -n 80 ;;&
     attention|all) timeout "${T_ATTENTION:-300}" python3 -m benchmarks.bench_attention --out "$RES" ${ATTENTION_ARGS:-} \
                      2>&1 | tee "$RES/bench_attention.log" | cut -c1-400 ;;&
     linear|all) timeout "${T_LINEAR:-200}" python3 -m benchmarks.bench_linear --out "$RES" ${LINEAR:+--models $LINEAR} 2>&1 \

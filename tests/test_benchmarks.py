@@ -1,0 +1,166 @@
+"""The benchmark definitions that can be checked without a GPU: the end-to-end model shapes (benchmarks/bench_e2e.py
+MODELS) describe the same model to ligermodels and to transformers, the flop count, the transformers attention
+each family needs, the eager baselines of the rope-variant kernel cases compute what our ops compute, and the
+README's tables read the newest results file by its recorded date and show the transformers attention used."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_e2e, report
+from benchmarks import kernels_rope_variants as rv
+from ligermodels.families import config_from_hf, family_of
+
+transformers = pytest.importorskip("transformers")
+
+
+# ------------------------------------------------------------------------------------ e2e shapes
+@pytest.mark.parametrize("name", sorted(bench_e2e.MODELS))
+def test_model_shape_builds_the_same_model_in_ligermodels_and_transformers(name):
+    """Each MODELS entry reads as a ligermodels config, and the model built from it has as many parameters as
+    transformers' model of the same dict (both on the meta device: no memory)."""
+    d = bench_e2e.MODELS[name]
+    config = config_from_hf(d)
+    hf_config = transformers.AutoConfig.for_model(**d)
+    with torch.device("meta"):
+        ours = family_of(d["model_type"]).cls(config)
+        theirs = transformers.AutoModelForCausalLM.from_config(
+            hf_config, attn_implementation=bench_e2e.hf_attention(d["model_type"]))
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert config.tie_embeddings == hf_config.tie_word_embeddings
+    assert config.head_dim == getattr(hf_config, "head_dim", d["hidden_size"] // d["num_attention_heads"])
+    assert config.rope.theta == hf_config.rope_parameters["rope_theta"]
+
+
+def test_new_model_shapes_read_their_mechanisms_as_transformers_does():
+    """Qwen3-1.7B (q/k head norms, no window) and Gemma-2-2B (soft-capping, attention scale, alternate windows)
+    mean the same thing to both libraries."""
+    qwen3 = config_from_hf(bench_e2e.MODELS["qwen3-1.7b"])
+    assert qwen3.qk_norm and qwen3.layer_windows == (None,) * 28 and qwen3.rope.theta == 1_000_000.0
+    assert sum(p.numel() for p in family_of("qwen3").cls(qwen3).to("meta").parameters()) == 1_720_574_976
+
+    d = bench_e2e.MODELS["gemma2-2b"]
+    gemma2, hf = config_from_hf(d), transformers.AutoConfig.for_model(**d)
+    assert gemma2.attn_softcap == hf.attn_logit_softcapping == 50.0
+    assert gemma2.final_softcap == hf.final_logit_softcapping == 30.0
+    assert gemma2.attn_scale == hf.query_pre_attn_scalar ** -0.5 == 256 ** -0.5
+    assert gemma2.layer_windows == tuple(4096 if t == "sliding_attention" else None for t in hf.layer_types)
+    assert gemma2.layer_windows[:2] == (4096, None)
+
+
+def test_hf_baselines_use_an_attention_that_computes_the_models_math():
+    """Gemma 2's transformers baseline attends eagerly (the soft-cap applied); the other families through SDPA.
+    Every model type has a Liger-Kernel patch named."""
+    assert bench_e2e.hf_attention("gemma2") == "eager"
+    assert {bench_e2e.hf_attention(d["model_type"]) for d in bench_e2e.MODELS.values()} == {"sdpa", "eager"}
+    assert {d["model_type"] for d in bench_e2e.MODELS.values()} <= set(bench_e2e.LIGER_PATCH)
+    cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=bench_e2e.hf_attention("gemma2"))
+    assert model.config._attn_implementation == "eager" and model.config.attn_logit_softcapping == 50.0
+
+
+def test_step_flops_counts_sliding_windows():
+    """Without windows (or windows no shorter than the sequence) the count is the causal half S^2 / 2 per layer;
+    Gemma-2-2B's 13 sliding layers at S = 8192 count S*W - W^2/2 pairs with W = 4096."""
+    def closed_form(name, batch, seq):
+        d = bench_e2e.MODELS[name]
+        h, layers, hq = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
+        hd, hkv = d.get("head_dim", h // hq), d["num_key_value_heads"]
+        params = layers * (h * (hq + 2 * hkv) * hd + hq * hd * h + 3 * h * d["intermediate_size"]) + d["vocab_size"] * h
+        return 6 * params * batch * seq + 3 * 4 * batch * seq * seq * hq * hd * layers / 2, 12 * batch * hq * hd
+
+    for name in bench_e2e.MODELS:
+        assert bench_e2e.step_flops(name, 4, 2048) == pytest.approx(closed_form(name, 4, 2048)[0], rel=1e-12)
+    full, per_pair = closed_form("gemma2-2b", 2, 8192)
+    saved = 13 * (8192 * 8192 / 2 - (8192 * 4096 - 4096 * 4096 / 2))
+    assert bench_e2e.step_flops("gemma2-2b", 2, 8192) == pytest.approx(full - per_pair * saved, rel=1e-12)
+
+
+# --------------------------------------------------------------------------- rope-variant kernel cases
+@pytest.mark.parametrize("case", rv.CASES, ids=lambda c: c.op + c.tag)
+def test_rope_variant_baselines_compute_what_our_op_computes(case):
+    """On each case's head_dim, rotary width, pairing and norm (fewer heads, a few tokens, fp32, kernels in
+    Triton's interpreter on CPU): the eager baseline's q and k and their gradients equal ours, our in-place op
+    leaves the v heads and passes their gradient through, through the same alias the benchmark times."""
+    case = dataclasses.replace(case, heads=(4, 2, case.heads[2]))
+    hq, hkv, d = case.heads
+    batch, seq = 2, 5
+    packed = case.inplace
+    ours_in = rv.make_inputs(case, batch, seq, torch.float32, "cpu", packed, seed=3)
+    base_in = rv.make_inputs(case, batch, seq, torch.float32, "cpu", False, seed=3)
+    eager_q, eager_k = rv.eager_fn(case)(*base_in)
+    g = torch.Generator().manual_seed(4)
+    dq, dk = torch.randn(eager_q.shape, generator=g), torch.randn(eager_k.shape, generator=g)
+    weights = base_in[4:]
+    eager_grads = torch.autograd.grad((eager_q, eager_k), [base_in[0], base_in[1], *weights], (dq, dk))
+
+    if packed:
+        v_before = ours_in[0].detach().view(batch, seq, hq + 2 * hkv, d)[:, :, hq + hkv:].clone()
+        out = rv.ours_fn(case)(*ours_in)
+        assert out.data_ptr() == ours_in[0].data_ptr()  # in place, on the leaf's storage
+        heads = out.view(batch, seq, hq + 2 * hkv, d)
+        q, k, v = heads[:, :, :hq], heads[:, :, hq:hq + hkv], heads[:, :, hq + hkv:]
+        dv = torch.randn(v.shape, generator=g)
+        grads = torch.autograd.grad(out, [ours_in[0], *ours_in[3:]], torch.cat((dq, dk, dv), dim=2).flatten(2))
+        dheads = grads[0].view(batch, seq, hq + 2 * hkv, d)
+        torch.testing.assert_close(v, v_before, rtol=0, atol=0)
+        torch.testing.assert_close(dheads[:, :, hq + hkv:], dv, rtol=0, atol=0)
+        ours_grads = (dheads[:, :, :hq], dheads[:, :, hq:hq + hkv], *grads[1:])
+    else:
+        q, k = rv.ours_fn(case)(*ours_in)
+        ours_grads = torch.autograd.grad((q, k), ours_in[:2], (dq, dk))
+    torch.testing.assert_close(q, eager_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, eager_k, rtol=1e-5, atol=1e-5)
+    for ours_g, eager_g in zip(ours_grads, eager_grads, strict=True):
+        torch.testing.assert_close(ours_g, eager_g, rtol=1e-4, atol=1e-4)
+
+
+def test_rope_variant_bytes_follow_the_stated_count():
+    """The bytes the harness divides by: Qwen3-1.7B q/k norm + RoPE at 4 x 2048 tokens in bf16 (24 q/k heads of
+    128: read + write forward, 3x backward, plus cos and sin), and the partial in-place rotation (96 channels)."""
+    t, qk = 4 * 2048, 4 * 2048 * 24 * 128 * 2
+    tables = 2 * t * 128 * 2
+    assert rv.CASES[0].nbytes(t, 2) == (2 * qk + tables, 3 * qk + tables)
+    partial = next(c for c in rv.CASES if c.op == "rope_partial_inplace")
+    qk = t * (24 + 8) * 2
+    assert partial.nbytes(t, 2) == (2 * qk * 96 + 2 * t * 96 * 2, 2 * qk * 128 + 2 * t * 96 * 2)
+    assert partial.shape(4, 2048) == "4x2048x24/8x128-r96"
+
+
+# --------------------------------------------------------------------------------------- report
+def test_report_reads_the_newest_results_by_date_and_shows_new_ops(tmp_path):
+    """Files of equal modification time (a checkout) are ordered by their recorded date, then name; the kernel
+    table has a line per (op, pass) for the new ops, the baselines measured in a separate call included."""
+    def write(name, date, gpu, rows):
+        (tmp_path / name).write_text(json.dumps({"gpu": gpu, "date": date, "rows": rows}))
+
+    write("kernels-H100-2026-11-30.json", "2026-11-30", "H100", [])
+    write("kernels-H100-2026-12-01.json", "2026-12-01", "H100", [])
+    write("kernels-H100-2026-12-01b.json", "2026-12-01", "H100", [])
+    write("kernels-H200-2026-12-02.json", "2026-12-02", "H200", [])
+    assert report.newest_results("kernels", results=str(tmp_path)).endswith("H200-2026-12-02.json")
+    assert report.newest_results("kernels", gpu="H100", results=str(tmp_path)).endswith("H100-2026-12-01b.json")
+    assert report.newest_results("kernels", gpu="A100", results=str(tmp_path)) is None
+
+    def row(op, impl, pas, ms):
+        return {"op": op, "shape": "4x2048x16/8x128", "impl": impl, "pass": pas, "ms": ms, "wall_ms": ms,
+                "timing": "cuda-kernels", "gbs": 100.0 / ms, "frac_copy_bw": 0.03 / ms, "frac_same_size_copy": 0.9}
+
+    rows = [row(op, impl, pas, ms) for op in ("qk_norm_rope", "rope_partial_inplace") for pas in ("fwd", "bwd")
+            for impl, ms in (("ligermodels", 0.04), ("eager", 0.4), ("compile", 0.05))]
+    table = report.kernels_table({"gpu": "H100", "torch": "2.13", "triton": "3.6", "date": "2026-12-01",
+                                  "_file": "x.json", "copy_gbs": 3000.0, "rows": rows})
+    for op in ("qk_norm_rope", "rope_partial_inplace"):
+        for pas in ("fwd", "bwd"):
+            assert f"| {op} | {pas} | 2500 | 75% | 90% | 60% | 10.00x | 1.25x | 0.040 |" in table
+
+
+def test_report_names_a_baselines_attention_when_it_is_not_sdpa():
+    """Gemma 2's transformers rows say they attend eagerly, in the end-to-end and the training tables."""
+    assert report._e2e_variant({"variant": "compile", "hf_attention": "eager"}) == "compile, eager attention"
+    assert report._e2e_variant({"variant": "eager"}) == "eager"
