@@ -271,3 +271,31 @@ def test_peft_model_and_trainer_on_the_same_base(tiny, reference_kernels):
     hook.remove()
     assert (good, bad) == (1, 2)
 
+
+# ------------------------------------------------------------------------------------------ the README's table
+def test_report_renders_the_lora_runs(tmp_path, monkeypatch):
+    """Rows, checks and max-batch entries of two files: the newer one's shapes and searches win."""
+    from benchmarks import report
+
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "transformers": "5.17"}
+    args = bt.parse_args(["--out", "o", "--lora", "--runs", "qwen2-7b:4", "--steps", "16"])
+    settings = bt.lora_settings(args, 200, 3000)
+    rows = [_row("ligermodels-lora", 13000.0, 40.0), _row("hf+peft+liger", 9000.0, 50.0),
+            {**_row("hf+peft+compile", 0, 0), "error": "CUDA out of memory", "oom": True}]
+    fit = {"impl": "ligermodels-lora", "model": "m", "seq": 2048, "ac": "none", "steps_per_try": 2, "max_batch": 6,
+           "first_oom_batch": 7}
+    old = bt.merge_lora_results({}, [{**r, "tokens_per_s": 1.0} for r in rows[:2]], {}, [{**fit, "max_batch": 1}],
+                                settings, "x")
+    new = bt.merge_lora_results({}, rows, {"m:b4": bt.lora_targets(rows)}, [fit], settings, "x")
+    for name, payload in (("lora-H100-2026-12-01.json", old), ("lora-H100-2026-12-02.json", new)):
+        date = name[-15:-5]
+        (tmp_path / name).write_text(json.dumps({**env, "date": date, **payload}))
+    monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+    runs = report._lora_runs()
+    assert [r["date"] for r in runs] == ["2026-12-02"]  # the older file's shape and search are superseded
+    text = report.lora_table(runs)
+    assert "| m | 4 | `python -m ligermodels.train --lora-rank ...` | 13,000 | 40.0 |" in text
+    assert "| m | 4 | Trainer + PEFT + torch.compile | out of memory | |" in text
+    assert "| m:b4 | 1.444 holds | 0.800 **misses** |" in text
+    assert "m ligermodels (the trainer's model, optimiser and step, in-process) 6 (7 ran out of memory)." in text
+    assert "--lora-rank 16 --lora-alpha 32" in text and "lr 0.0001 constant" in text
