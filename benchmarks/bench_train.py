@@ -53,8 +53,10 @@ first step's loss is the same base loss on both sides.
   loaded model on (the bf16 base resident). ``hf+peft`` (the Trainer alone) runs only when named in ``--impls``.
 
 Their targets (:data:`LORA_TARGETS`, in each shape's ``checks``): tokens/s at least 1.3x the faster of the
-two Trainers, peak memory at most 0.7x Trainer + PEFT + Liger's. Written to ``results/lora-<gpu>-<date><tag>.json``
-(merged into an existing file of that name: rows and checks by shape, max-batch entries by implementation).
+two Trainers, peak memory at most 0.7x Trainer + PEFT + Liger's. Written to ``results/lora-<gpu>-<date><tag>.json``,
+merged into an existing file of that name (rows by impl and shape, max-batch entries by impl; the checks
+computed again from the merged rows), so one shape's impls may be run by several calls with the same
+``--results`` and ``--tag``.
 
 ``--max-batch`` (LoRA only): the largest micro-batch each implementation runs :data:`MAX_BATCH_STEPS` steps
 at, at each ``--runs`` model (``MODEL:START``, the first batch tried). One process per implementation loads
@@ -693,7 +695,7 @@ def main(argv=None) -> None:
                 fits.append({"impl": impl, "model": model, "seq": args.seq, "ac": args.ac,
                              "steps_per_try": MAX_BATCH_STEPS, **found})
                 print({k: v for k, v in fits[-1].items() if k != "error"}, found.get("error", "")[-600:], flush=True)
-                write_lora(args, env, [], {}, fits, low, high)
+                write_lora(args, env, [], fits, low, high)
             continue
         shape_rows = []
         for impl in args.impls:
@@ -716,12 +718,12 @@ def main(argv=None) -> None:
                   flush=True)
             shape_rows.append(row)
         rows += shape_rows
-        checks[f"{model}:b{batch}"] = (lora_targets if args.lora else targets)(shape_rows)
-        print(json.dumps(checks[f"{model}:b{batch}"]), flush=True)
-        # after every shape: a later one that runs out of time loses nothing
-        if args.lora:
-            write_lora(args, env, rows, checks, [], low, high)
+        # written after every shape: a later one that runs out of time loses nothing
+        if args.lora:  # the checks of the file's rows of this shape (other calls may have run other impls)
+            print(json.dumps(write_lora(args, env, rows, [], low, high)[f"{model}:b{batch}"]), flush=True)
         else:
+            checks[f"{model}:b{batch}"] = targets(shape_rows)
+            print(json.dumps(checks[f"{model}:b{batch}"]), flush=True)
             write(args, env, rows, checks, low, high)
 
 
@@ -747,36 +749,39 @@ def lora_settings(args, low: int, high: int) -> dict:
             "base": f"random init, seed {SEED}, bf16, written once"}
 
 
-def merge_lora_results(old: dict, rows: list[dict], checks: dict, fits: list[dict], settings: dict,
-                       where: str) -> dict:
+def merge_lora_results(old: dict, rows: list[dict], fits: list[dict], settings: dict, where: str) -> dict:
     """``old`` (a LoRA results file's content, or {}) with ``rows`` replacing its rows of the same (impl,
-    model, batch, ac), ``checks`` its checks of the same shape, ``fits`` its max-batch entries of the same
-    (impl, model, seq, ac). Rows measured under other ``settings`` than the file's are refused (naming
-    ``where``): one file's rows are one comparison."""
+    model, batch, ac) and ``fits`` its max-batch entries of the same (impl, model, seq, ac); the checks
+    (:func:`lora_targets`) computed again for every shape from the merged rows, so one shape's impls may be
+    run by several calls into one file. Rows measured under other ``settings`` than the file's are refused
+    (naming ``where``): one file's rows are one comparison."""
     out = dict(old)
     if rows:
         if old.get("rows") and old.get("settings") != settings:
             raise ValueError(f"{where} holds runs with other settings ({old.get('settings')}; these: {settings}): "
                              "pass another --tag")
-        shape = {(r["impl"], r["model"], r["batch"], r.get("ac")) for r in rows}
-        out["rows"] = [r for r in old.get("rows", []) if (r["impl"], r["model"], r["batch"], r.get("ac")) not in shape]
-        out["rows"] += rows
+
+        def shape(r: dict) -> tuple:
+            return r["impl"], r["model"], r["batch"], r.get("ac")
+
+        out["rows"] = [r for r in old.get("rows", []) if shape(r) not in {shape(n) for n in rows}] + rows
         out["settings"] = settings
-        out["checks"] = {**old.get("checks", {}), **checks}
+        shapes = dict.fromkeys(f"{r['model']}:b{r['batch']}" for r in out["rows"])
+        out["checks"] = {s: lora_targets([r for r in out["rows"] if f"{r['model']}:b{r['batch']}" == s])
+                         for s in shapes}
     if fits:
         def key(f: dict) -> tuple:
             return f["impl"], f["model"], f["seq"], f["ac"]
 
-        out["max_batch"] = [f for f in old.get("max_batch", []) if key(f) not in {key(n) for n in fits}]
-        out["max_batch"] += fits
+        out["max_batch"] = [f for f in old.get("max_batch", []) if key(f) not in {key(n) for n in fits}] + fits
     out.setdefault("rows", [])
     out["benchmark"] = "LoRA training loops users run: ligermodels.train --lora-rank vs transformers.Trainer + PEFT"
     out["targets"] = LORA_TARGETS
     return out
 
 
-def write_lora(args, env: dict, rows: list[dict], checks: dict, fits: list[dict], low: int, high: int) -> None:
-    """Merge into ``results/lora-<gpu>-<date><tag>.json`` (:func:`merge_lora_results`)."""
+def write_lora(args, env: dict, rows: list[dict], fits: list[dict], low: int, high: int) -> dict:
+    """Merge into ``results/lora-<gpu>-<date><tag>.json`` (:func:`merge_lora_results`); its checks."""
     from benchmarks.harness import write_results
 
     gpu = (env.get("gpu") or "cpu").replace(" ", "_")
@@ -786,8 +791,9 @@ def write_lora(args, env: dict, rows: list[dict], checks: dict, fits: list[dict]
     if os.path.isfile(path):
         with open(path) as f:
             old = {k: v for k, v in json.load(f).items() if k not in env}
-    payload = merge_lora_results(old, rows, checks, fits, lora_settings(args, low, high), path)
+    payload = merge_lora_results(old, rows, fits, lora_settings(args, low, high), path)
     print(f"wrote {write_results(name, payload, out_dir=args.results)}")
+    return payload["checks"] if rows else {}
 
 
 if __name__ == "__main__":

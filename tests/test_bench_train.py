@@ -107,18 +107,25 @@ def test_bad_flags_are_refused_by_name(capsys, argv, message):
 
 
 def test_lora_results_merge_by_shape_and_refuse_other_settings():
+    """Rows replace those of the same impl and shape; the checks come from the merged rows (one shape's impls
+    run by two calls); max-batch entries alone leave the rows; other settings are refused."""
     settings = {"seq": 2048, "steps": 16}
-    a = [_row("ligermodels-lora", 1.0, 1.0), _row("hf+peft+liger", 1.0, 1.0)]
-    old = bt.merge_lora_results({}, a, {"m:b4": {"x": 1}}, [], settings, "f.json")
+    a = [_row("ligermodels-lora", 1.0, 1.0), _row("hf+peft+liger", 1.0, 2.0)]
+    old = bt.merge_lora_results({}, a, [], settings, "f.json")
+    assert old["checks"] == {"m:b4": bt.lora_targets(a)}
     fit = {"impl": "ligermodels-lora", "model": "m", "seq": 2048, "ac": "none", "max_batch": 8}
-    new = bt.merge_lora_results(old, [_row("ligermodels-lora", 2.0, 1.0)], {"m:b4": {"x": 2}}, [fit], settings,
-                                "f.json")
-    assert [(r["impl"], r["tokens_per_s"]) for r in new["rows"]] == [("hf+peft+liger", 1.0), ("ligermodels-lora", 2.0)]
-    assert new["checks"] == {"m:b4": {"x": 2}} and new["max_batch"] == [fit] and new["targets"] == bt.LORA_TARGETS
-    again = bt.merge_lora_results(new, [], {}, [{**fit, "max_batch": 9}], {"other": 1}, "f.json")  # max batch alone
+    new = bt.merge_lora_results(old, [_row("hf+peft+compile", 0.5, 9.0), _row("ligermodels-lora", 2.0, 1.0)], [fit],
+                                settings, "f.json")
+    assert [(r["impl"], r["tokens_per_s"]) for r in new["rows"]] == [
+        ("hf+peft+liger", 1.0), ("hf+peft+compile", 0.5), ("ligermodels-lora", 2.0)]
+    assert new["checks"]["m:b4"] == {"speed_vs_fastest_peft": {"ratio": 2.0, "fastest": "hf+peft+liger",
+                                                               "holds": True},
+                                     "memory_vs_peft_liger": {"ratio": 0.5, "holds": True}}
+    assert new["max_batch"] == [fit] and new["targets"] == bt.LORA_TARGETS
+    again = bt.merge_lora_results(new, [], [{**fit, "max_batch": 9}], {"other": 1}, "f.json")  # max batch alone
     assert again["rows"] == new["rows"] and again["settings"] == settings and again["max_batch"][0]["max_batch"] == 9
     with pytest.raises(ValueError, match="f.json holds runs with other settings"):
-        bt.merge_lora_results(new, a, {}, [], {"seq": 4096}, "f.json")
+        bt.merge_lora_results(new, a, [], {"seq": 4096}, "f.json")
 
 
 # ------------------------------------------------------------------------------------------ max batch
@@ -284,9 +291,9 @@ def test_report_renders_the_lora_runs(tmp_path, monkeypatch):
             {**_row("hf+peft+compile", 0, 0), "error": "CUDA out of memory", "oom": True}]
     fit = {"impl": "ligermodels-lora", "model": "m", "seq": 2048, "ac": "none", "steps_per_try": 2, "max_batch": 6,
            "first_oom_batch": 7}
-    old = bt.merge_lora_results({}, [{**r, "tokens_per_s": 1.0} for r in rows[:2]], {}, [{**fit, "max_batch": 1}],
+    old = bt.merge_lora_results({}, [{**r, "tokens_per_s": 1.0} for r in rows[:2]], [{**fit, "max_batch": 1}],
                                 settings, "x")
-    new = bt.merge_lora_results({}, rows, {"m:b4": bt.lora_targets(rows)}, [fit], settings, "x")
+    new = bt.merge_lora_results({}, rows, [fit], settings, "x")
     for name, payload in (("lora-H100-2026-12-01.json", old), ("lora-H100-2026-12-02.json", new)):
         date = name[-15:-5]
         (tmp_path / name).write_text(json.dumps({**env, "date": date, **payload}))
