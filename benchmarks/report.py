@@ -388,14 +388,106 @@ def train_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _lora_runs() -> list[dict]:
+    """``lora-*.json`` (benchmarks/bench_train.py --lora), newest first, each keeping the shapes (model, batch,
+    activation checkpointing) and max-batch searches (impl, model, seq, activation checkpointing) that no
+    newer file measured; files left with neither are dropped."""
+    runs = []
+    for f in glob.glob(os.path.join(RESULTS, "lora-*.json")):
+        with open(f) as fh:
+            data = json.load(fh)
+        data["_file"] = os.path.relpath(f, ROOT)
+        runs.append(data)
+    seen, seen_fits = set(), set()
+    out = []
+    for data in sorted(runs, key=lambda d: (d.get("date", ""), d["_file"]), reverse=True):
+        shapes = {(r["model"], r["batch"], r.get("ac", "none")) for r in data.get("rows", [])}
+        rows = [r for r in data.get("rows", []) if (r["model"], r["batch"], r.get("ac", "none")) not in seen]
+        keys = {(f["impl"], f["model"], f["seq"], f.get("ac", "none")) for f in data.get("max_batch", [])}
+        fits = [f for f in data.get("max_batch", []) if (f["impl"], f["model"], f["seq"], f.get("ac", "none"))
+                not in seen_fits]
+        seen, seen_fits = seen | shapes, seen_fits | keys
+        if rows or fits:
+            out.append({**data, "rows": rows, "max_batch": fits})
+    return out
+
+
+_LORA_IMPLS = {"ligermodels-lora": "`python -m ligermodels.train --lora-rank ...`",
+               "hf+peft+liger": "Trainer + PEFT + Liger-Kernel", "hf+peft+compile": "Trainer + PEFT + torch.compile",
+               "hf+peft": "Trainer + PEFT"}
+
+
+def lora_table(runs: list[dict]) -> str:
+    """LoRA training (``lora-*.json``, runs of one GPU and day): the CLI with ``--lora-rank`` against
+    ``transformers.Trainer`` + PEFT, the LoRA targets of each shape, and the largest micro-batch of each."""
+    d = runs[0]
+    files = ", ".join(f"`{r['_file']}`" for r in runs)
+    env = (f"{d['gpu']}, torch {d['torch']}, triton {d['triton']}, transformers {d.get('transformers', '?')}, "
+           f"{d['date']} ({files})")
+    measured = [run for run in runs if run["rows"]]
+    lines = []
+    if measured:
+        st = measured[0]["settings"]
+        lo = st["lora"]
+        lines += [f"**LoRA** (`benchmarks/bench_train.py --lora`): `python -m ligermodels.train --lora-rank "
+                  f"{lo['rank']} --lora-alpha {lo['alpha']:g}` against `transformers.Trainer` on "
+                  f"`peft.get_peft_model(model, LoraConfig(r={lo['rank']}, lora_alpha={lo['alpha']:g}))`, adapters on "
+                  f"{', '.join(lo['targets'])} (dropout {lo['dropout']:g}), every run loading the same base "
+                  f"checkpoint ({st['base']}) and training on the same packed rows (documents of "
+                  f"{st['doc_words'][0]}-{st['doc_words'][1]} words, attention within documents), {st['precision']}, "
+                  f"lr {st['lr']:g} {st['lr_schedule']}, clipping {st['grad_clip']}, seq {st['seq']}, median of steps "
+                  f"{st['warmup_steps_dropped'] + 1}-{st['steps']}, each shape's runs one after the other on one "
+                  f"machine: {env}. Peak memory is max allocated (GB = 1e9 B): ours over the whole process "
+                  "(loading included), the Trainer's from the loaded model on.", "",
+                  "| model | batch | run | tokens/s | peak memory (GB) |", "|---|---|---|---|---|"]
+        for r in (r for run in measured for r in run["rows"]):
+            head = f"| {r['model']} | {r['batch']} | {_LORA_IMPLS.get(r['impl'], r['impl'])} |"
+            if "error" in r:
+                lines.append(f"{head} {'out of memory' if r.get('oom') else 'failed'} | |")
+            else:
+                lines.append(f"{head} {r['tokens_per_s']:,.0f} | {r['peak_mem_gb']:.1f} |")
+        names = {"speed_vs_fastest_peft": "speed vs faster Trainer + PEFT",
+                 "memory_vs_peft_liger": "memory vs Trainer + PEFT + Liger"}
+        goals = measured[0]["targets"]
+        heads = [f"{n} (target {'≤' if k.startswith('memory') else '≥'} {goals[k]})" for k, n in names.items()]
+        lines += ["", "| shape | " + " | ".join(heads) + " |", "|---|" + "---|" * len(names)]
+        for run in measured:
+            for shape, checks in run["checks"].items():
+                if not any(f"{r['model']}:b{r['batch']}" == shape for r in run["rows"]):
+                    continue
+                cells = ["-" if k not in checks else
+                         f"{checks[k]['ratio']:.3f} {'holds' if checks[k]['holds'] else '**misses**'}" for k in names]
+                lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    fits = [f for run in runs for f in run.get("max_batch", [])]
+    if fits:
+        def found(f: dict) -> str:
+            if "error" in f:
+                return "failed"
+            return f"{f['max_batch']}" + (f" ({f['first_oom_batch']} ran out of memory)" if f.get("first_oom_batch")
+                                          else " (the largest tried)")
+
+        names = {**_LORA_IMPLS, "ligermodels-lora": "ligermodels (the trainer's model, optimiser and step, in-process)"}
+        sentence = (f"LoRA, largest micro-batch that runs {fits[0].get('steps_per_try', 2)} steps (seq "
+                    f"{fits[0]['seq']}; doubling, then bisection to the exact boundary, in one process per "
+                    "implementation; the compiled Trainer recompiling as dynamo does when the batch changes): "
+                    + "; ".join(f"{f['model']} {names.get(f['impl'], f['impl'])} {found(f)}" for f in fits) + ".")
+        lines += ["", sentence] if lines else [f"On {env}:", "", sentence]
+    return "\n".join(lines)
+
+
 def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
-    """The README's performance section: what users run (``train-*.json``), then ``runs`` from ``_e2e_runs()``
-    (the bare step, the breakdown), then the latest of each other benchmark."""
+    """The README's performance section: what users run (``train-*.json``, then the LoRA runs of
+    ``lora-*.json``), then ``runs`` from ``_e2e_runs()`` (the bare step, the breakdown), then the latest of
+    each other benchmark."""
     train = _train_runs()
     groups: dict[tuple, list[dict]] = {}
     for d in train:
         groups.setdefault((d.get("gpu"), d.get("date")), []).append(d)
     parts = [train_table(sorted(g, key=lambda d: d["_file"])) for g in groups.values()]
+    lora_groups: dict[tuple, list[dict]] = {}
+    for d in _lora_runs():
+        lora_groups.setdefault((d.get("gpu"), d.get("date")), []).append(d)
+    parts += [lora_table(sorted(g, key=lambda d: d["_file"])) for g in lora_groups.values()]
     for d in runs:
         parts.append(e2e_table(d))
     if e2e_pngs:
