@@ -472,7 +472,8 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
     they are gathered, gradients reduced in fp32). One rank has nothing to shard or reduce: the
     model stays a plain module, and :func:`build_optimizer` moves its fp32 weights into the
     optimiser as masters and casts the parameters to bf16 once; the numbers are those of FSDP2's
-    cast (the same bf16 weights every step), without its per-layer casts, copies and hooks.
+    cast (the same bf16 weights every step), without its per-layer casts, copies and hooks. With LoRA on
+    one rank the frozen base is allocated in bf16 from the start (it has no master).
     """
     full_state, error = {}, None
     if rank == 0:
@@ -498,6 +499,12 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
         if args.lora_rank:
             add_lora(model, **lora_options(args))
     apply_activation_checkpointing(model, args.ac)
+    if world == 1 and args.dtype == "bf16" and args.lora_rank:
+        # The frozen base computes in bf16 and has no master: allocated in bf16 at once, so the device never
+        # holds its fp32 copy (30 GB at 7.6B parameters); the adapters stay fp32.
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
     if world > 1:
         mesh = init_device_mesh(device.type, (world,))
         # bf16 compute with fp32 gradient reduction; cos/sin tables stay fp32 (no casting of layer inputs).
@@ -521,21 +528,15 @@ def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> Ad
     One rank computing in bf16 (see :func:`build_model`): the fp32 parameters become the optimiser's
     masters and the parameters bf16 (``AdamW.init_master_weights_``); each step updates the masters
     and writes the bf16 weights the next forward uses. With LoRA only the adapters are trained (fp32,
-    no master needed) and the frozen base is cast to bf16.
+    no master needed); the frozen base is bf16 from :func:`build_model` on.
     """
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters only
     decay = [p for p in trained if p.ndim >= 2]
     no_decay = [p for p in trained if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if world == 1 and args.dtype == "bf16":
-        if args.lora_rank:  # the frozen base computes in bf16 and has no master; the adapters stay fp32
-            with torch.no_grad():
-                for p in model.parameters():
-                    if not p.requires_grad:
-                        p.data = p.data.to(torch.bfloat16)
-        else:
-            optimizer.init_master_weights_(torch.bfloat16)
+    if world == 1 and args.dtype == "bf16" and not args.lora_rank:  # (LoRA: the base is bf16 already)
+        optimizer.init_master_weights_(torch.bfloat16)
     return optimizer
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -258,6 +259,37 @@ def test_lora_training_trains_the_adapters_only_and_exports_a_peft_adapter(runs_
     assert [(m["loss"], m["grad_norm"]) for m in one] == [(m["loss"], m["grad_norm"]) for m in resumed]
     assert (runs_lora["resumed"] / "final" / "adapter_model.safetensors").read_bytes() == \
         (final / "adapter_model.safetensors").read_bytes()
+
+
+def test_lora_on_one_rank_in_bf16_allocates_the_frozen_base_in_bf16(checkpoint, data, workdir):
+    """One rank, bf16 compute, LoRA: the frozen base is built in bf16 (never an fp32 copy on the device) and the
+    adapters in fp32; the run trains, and its first loss is the loss of the base rounded to bf16 once."""
+    import argparse
+
+    from ligermodels import AutoLigerModel
+    from ligermodels.train import build_model, build_optimizer, load_inputs, parse_args
+
+    out = workdir / "lora-bf16"
+    args = parse_args([*_flags(checkpoint, data, out), "--dtype", "bf16", "--lora-rank", "4", "--save-every", "0"])
+    assert isinstance(args, argparse.Namespace)
+    torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    try:
+        model = build_model(load_inputs(args), args, 0, 1, torch.device("cpu"))
+        build_optimizer(model, args, 1)
+    finally:
+        torch.distributed.destroy_process_group()
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if "lora_" not in n} == {torch.bfloat16}
+    base = AutoLigerModel.from_hf(checkpoint, dtype=torch.float32).state_dict()
+    frozen = {n: p for n, p in model.state_dict().items() if "lora_" not in n}
+    assert frozen.keys() == base.keys()
+    for name, p in frozen.items():  # the checkpoint's weights, rounded to bf16 once
+        assert torch.equal(p, base[name].to(torch.bfloat16)), name
+    res = _train([*_flags(checkpoint, data, out), "--dtype", "bf16", "--lora-rank", "4", "--save-every", "0",
+                  "--merge"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert all(math.isfinite(m["loss"]) for m in _metrics(out))
 
 
 @pytest.mark.parametrize("flags, message", [
