@@ -582,7 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     config = model_config(args)
     work = os.path.abspath(args.out)
     os.makedirs(work, exist_ok=True)
-    need = args.steps * args.batch_size * max(counts) * args.seq_len
+    # enough rows for 8 GPUs (or more) whatever this invocation runs: every invocation writes the same documents
+    need = args.steps * args.batch_size * max(8, *counts) * args.seq_len
     t0 = time.perf_counter()
     model_dir, data = write_inputs(work, config, int(need * 1.1) + args.seq_len, args.doc_tokens)
     print(f"inputs: {model_dir}, {data} (>= {need:,} tokens) in {time.perf_counter() - t0:.1f} s", flush=True)
