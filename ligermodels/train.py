@@ -101,7 +101,8 @@ COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, wei
                        seed=0, ac="none", keep_checkpoints=3, resume=False, overwrite=False,
                        from_scratch=False, loss_strategy="tokens", profile=False,
                        attention="documents", lora_rank=0, lora_alpha=16.0, lora_dropout=0.0,
-                       lora_targets="q,k,v,o,gate,up,down", merge=False)
+                       lora_targets="q,k,v,o,gate,up,down", merge=False, compile=False,
+                       reshard_after_forward="default", prefetch=0)
 DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20, save_every=200,
                      log_every=50)
 RUN_DEFAULTS = dict(out=None, seq_len=None, batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500,
@@ -156,7 +157,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--device", choices=("cuda", "cpu"), help="default cuda when present (NCCL), else cpu (gloo)")
     a("--log-every", type=int, help="print a progress line every N steps (metrics.jsonl gets every step)")
     a("--profile", action="store_true", default=None,
-      help="profile two steps after the first five with torch.profiler: OUT/profile.txt (rank 0)")
+      help="profile two steps after the first five with torch.profiler: OUT/profile.txt and OUT/profile.json "
+           "(rank 0)")
+    a("--compile", action="store_true", default=None,
+      help="torch.compile each decoder layer's forward (inside its activation checkpoint, outside FSDP's hooks)")
+    a("--reshard-after-forward", choices=("default", "always", "never"),
+      help="FSDP2 (several ranks): free each layer's gathered weights after its forward: default = every layer "
+           "but the last (its backward starts at once), always = every layer, never = keep them gathered until "
+           "backward (one all-gather per layer per step, the full bf16 weights held through the forward)")
+    a("--prefetch", type=int,
+      help="FSDP2 (several ranks): all-gather the next N layers ahead, in forward and backward (0: FSDP2's own "
+           "implicit prefetching)")
     args = p.parse_args(argv)
 
     if args.config:
@@ -193,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible")
     lowest = dict(batch_size=1, grad_accum=1, steps=1, log_every=1, seq_len=2, warmup_steps=0, weight_decay=0,
-                  max_grad_norm=0, save_every=0, keep_checkpoints=0)  # seq_len 1: a row with nothing to predict
+                  max_grad_norm=0, save_every=0, keep_checkpoints=0, prefetch=0)  # seq_len 1: nothing to predict
     for name, low in lowest.items():
         value = getattr(args, name)
         if value is not None and not value >= low:  # `not >=` also refuses NaN
@@ -505,19 +516,46 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
         for p in model.parameters():
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
+    if args.compile:  # each layer's forward (the checkpoint included); FSDP's hooks stay outside, in eager
+        # The first layer stores the attention mask it builds in the AttentionMask all layers share. Inside a
+        # checkpoint dynamo would break the graph there (eager recomputation replays the store); the recompute
+        # finds the mask stored either way, so the store need not be replayed.
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        for layer in model.layers:
+            layer.forward = torch.compile(layer.forward)
     if world > 1:
-        mesh = init_device_mesh(device.type, (world,))
-        # bf16 compute with fp32 gradient reduction; cos/sin tables stay fp32 (no casting of layer inputs).
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
-                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
-        for i, layer in enumerate(model.layers):  # the last layer's backward starts at once: keep it gathered
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
-        register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
+        shard(model, args, world, device)
     model.to_empty(device=device)
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     model.init_buffers()
     return model.train()
+
+
+def shard(model: CausalLM, args: argparse.Namespace, world: int, device: torch.device) -> None:
+    """FSDP2 over ``world`` ranks: one unit per decoder layer, the root holding the embedding, final norm and head.
+
+    bf16 compute with fp32 gradient reduction; the cos/sin tables stay fp32 (layer inputs are not cast).
+    ``--reshard-after-forward`` picks which layers free their gathered weights after forward (by default
+    all but the last, whose backward starts at once); ``--prefetch N`` makes each layer all-gather the next
+    N layers (in forward order, and in backward in reverse) as soon as its own gather is issued, instead of
+    FSDP2's implicit prefetching (one layer ahead in backward; in forward, a layer's gather is issued when
+    the host reaches it).
+    """
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
+                              reduce_dtype=torch.float32, cast_forward_inputs=False)
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        reshard = {"default": i < len(layers) - 1, "always": True, "never": False}[args.reshard_after_forward]
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
+    if args.prefetch:
+        n = args.prefetch
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + n])
+            layer.set_modules_to_backward_prefetch(layers[max(0, i - n):i][::-1])
 
 
 # ------------------------------------------------------------------------------------------ optimiser
@@ -721,10 +759,28 @@ class Progress:
         sys.stdout.flush()
 
 
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time at least one of them runs."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def exposed_us(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
+    """Time during which some ``comm`` interval runs and no ``compute`` interval does: communication that
+    does not overlap computation, |comm U compute| - |compute|."""
+    return union_us(comm + compute) - union_us(compute)
+
+
 class StepProfiler:
     """``--profile``: torch.profiler over two steps after the first five (fewer in a short run); rank 0
     writes ``OUT/profile.txt``: the profiled steps' wall time, the GPU's busy time by kernel category
-    and the rest (the GPU idle: host work, syncs, launch gaps), then the top kernels."""
+    and the rest (the GPU idle: host work, syncs, launch gaps), the communication (NCCL kernels) that
+    no computation overlaps, then the top kernels; and ``OUT/profile.json``, the same totals per step as
+    numbers (for benchmarks)."""
 
     #: Kernel-name patterns -> category, first match wins.
     CATEGORIES = (("matmul", r"gemm|matmul|cutlass|nvjet|xmma|cublas|splitk"),
@@ -737,6 +793,9 @@ class StepProfiler:
     #: Host calls that block until the device catches up (a copy from pageable memory, a read of a device value).
     WAITS = ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
              "aten::nonzero", "aten::item", "aten::_local_scalar_dense", "aten::index")
+
+    #: Kineto activity types of device events that are GPU work (not sync waits or annotations).
+    DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
     def __init__(self, enabled: bool, steps: int, first: int = 5, count: int = 2):
         first = min(first, max(0, steps - count))
@@ -766,11 +825,33 @@ class StepProfiler:
         wall_ms = (time.perf_counter() - self.t0) * 1e3 / len(self.steps)
         self.prof.__exit__(None, None, None)
         if rank == 0:
+            timeline = self.timeline(wall_ms)
             with open(path, "w") as f:
-                f.write(self.report(wall_ms))
+                f.write(self.report(wall_ms, timeline))
+            with open(os.path.splitext(path)[0] + ".json", "w") as f:
+                json.dump(timeline, f, indent=1)
         self.prof = None
 
-    def report(self, wall_ms: float) -> str:
+    def timeline(self, wall_ms: float) -> dict:
+        """Per profiled step, from the device timeline: ``wall_ms``; ``gpu_active_ms``, the time some kernel,
+        copy or fill runs on any stream; ``gpu_idle_ms`` = wall - active (the host not keeping the GPU fed,
+        syncs); ``nccl_ms``, the time some NCCL kernel runs; ``nccl_exposed_ms``, the part of it during which
+        nothing else runs (communication that computation does not hide)."""
+        comm, compute = [], []
+        for e in self.prof.events():
+            kind = getattr(e, "activity_type", None) or None  # kineto's type; a sync wait or annotation is no work
+            if (e.device_type != torch.autograd.DeviceType.CUDA or kind not in (None, *self.DEVICE_WORK)
+                    or getattr(e, "is_user_annotation", False) or e.name == "Context Sync"):
+                continue
+            span = (e.time_range.start, e.time_range.end)
+            (comm if "nccl" in e.name.lower() else compute).append(span)
+        n = len(self.steps)
+        active = union_us(comm + compute) / n / 1e3
+        return {"steps": list(self.steps), "wall_ms": round(wall_ms, 3), "gpu_active_ms": round(active, 3),
+                "gpu_idle_ms": round(wall_ms - active, 3), "nccl_ms": round(union_us(comm) / n / 1e3, 3),
+                "nccl_exposed_ms": round(exposed_us(comm, compute) / n / 1e3, 3)}
+
+    def report(self, wall_ms: float, timeline: dict) -> str:
         n = len(self.steps)
         per_cat: dict[str, float] = {}
         kernels: dict[str, float] = {}
@@ -793,6 +874,13 @@ class StepProfiler:
             lines.append(f"{cat:32s} {ms:9.2f} {100 * ms / wall_ms:6.1f}%")
         idle = wall_ms - busy
         lines.append(f"{'GPU idle (host, syncs, gaps)':32s} {idle:9.2f} {100 * idle / wall_ms:6.1f}%")
+        t = timeline
+        lines += ["", "Device timeline, all streams (kernels that overlap counted once):",
+                  f"{'GPU active':32s} {t['gpu_active_ms']:9.2f} {100 * t['gpu_active_ms'] / wall_ms:6.1f}%",
+                  f"{'GPU idle':32s} {t['gpu_idle_ms']:9.2f} {100 * t['gpu_idle_ms'] / wall_ms:6.1f}%",
+                  f"{'NCCL running':32s} {t['nccl_ms']:9.2f} {100 * t['nccl_ms'] / wall_ms:6.1f}%",
+                  f"{'NCCL exposed (nothing else runs)':32s} {t['nccl_exposed_ms']:9.2f} "
+                  f"{100 * t['nccl_exposed_ms'] / wall_ms:6.1f}%"]
         lines += ["", "Top 30 GPU kernels (ms/step):"]
         lines += [f"{ms:9.3f}  {k[:120]}" for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]]
         lines += ["", "Top 30 host ops by self CPU time (ms/step):"]

@@ -7,7 +7,9 @@ character tokenizer, train a few fp32 steps with the PyTorch reference kernels
 * ``one``: 1 process, grad-accum 2, no activation checkpointing;
 * ``two``: 2 processes (torchrun), grad-accum 1, ``--ac full``, checkpoints at steps 2 and 4;
 * ``resumed``: a copy of ``two`` cut back to its step-2 checkpoint (plus a half-written step-6 one),
-  continued with ``--resume`` (and ``--ac selective``).
+  continued with ``--resume`` (and ``--ac selective``);
+* ``tuned``: ``two`` with each layer compiled (``--compile``), ``--reshard-after-forward never`` and
+  ``--prefetch 1`` (the options a multi-GPU run tunes; none may change the numbers).
 
 In-process tests (packing, document masking, activation checkpointing) run the Triton kernels
 through the interpreter like the rest of the suite.
@@ -47,9 +49,11 @@ from ligermodels.train import (
     apply_activation_checkpointing,
     check_out_dir,
     check_resume,
+    exposed_us,
     load_inputs,
     lr_factor,
     parse_args,
+    union_us,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,6 +168,41 @@ def test_split_invariance_one_rank_accum2_equals_two_ranks(run_one, run_two):
     assert w1.keys() == w2.keys()
     for k in w1:
         assert _rel(w1[k], w2[k]) <= 1e-5, k
+
+
+@pytest.fixture(scope="module")
+def run_tuned(checkpoint, data, workdir):
+    out = workdir / "tuned"
+    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "0", "--ac", "full",
+                  "--compile", "--reshard-after-forward", "never", "--prefetch", "1"], nproc=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+def test_compile_reshard_and_prefetch_take_the_same_steps(run_two, run_tuned):
+    """Compiled layers (inside full activation checkpointing, attention within documents), no resharding after
+    forward and explicit prefetching: the uncompiled run's losses and updates within fp32 rounding."""
+    two, tuned = _metrics(run_two), _metrics(run_tuned)
+    assert [m["step"] for m in tuned] == [1, 2, 3, 4]
+    for a, b in zip(two, tuned, strict=True):
+        assert a["tokens"] == b["tokens"] > 0
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * abs(a["grad_norm"]), (a, b)
+    w1, w2 = _weights(run_two), _weights(run_tuned)
+    assert w1.keys() == w2.keys()  # compiling changes no parameter name
+    for k in w1:
+        assert _rel(w2[k], w1[k]) <= 1e-5, k
+
+
+def test_overlap_of_communication_with_computation():
+    """The profile's exposed communication: the time NCCL runs while nothing else does."""
+    assert union_us([]) == 0.0
+    assert union_us([(0.0, 4.0), (2.0, 6.0), (10.0, 11.0), (1.0, 3.0)]) == 7.0
+    compute = [(0.0, 5.0), (8.0, 12.0)]
+    assert exposed_us([(1.0, 4.0)], compute) == 0.0  # hidden behind compute
+    assert exposed_us([(4.0, 9.0)], compute) == 3.0  # 5..8 alone
+    assert exposed_us([(4.0, 9.0), (6.0, 7.0), (11.0, 14.0)], compute) == 5.0  # 5..8 and 12..14
+    assert exposed_us([(1.0, 2.0)], []) == 1.0
 
 
 @pytest.fixture(scope="module")
@@ -561,6 +600,8 @@ def test_config_values_are_converted_like_flags(tmp_path):
     (["--seed", "100000000000000"], "--seed must be in [0, 2**32), got 100000000000000"),
     (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
     (["--log-every", "0"], "--log-every must be at least 1"),
+    (["--prefetch", "-1"], "--prefetch must be at least 0, got -1"),
+    (["--reshard-after-forward", "sometimes"], "--reshard-after-forward: invalid choice: 'sometimes'"),
     (["--steps", "10", "--warmup-steps", "11"], "--warmup-steps 11 exceeds --steps 10"),
 ])
 def test_out_of_range_flags_are_refused(capsys, flags, message):

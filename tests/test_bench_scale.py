@@ -1,0 +1,221 @@
+"""benchmarks/bench_scale.py on the CPU: its arguments, the commands and torchtitan config it writes, the
+numbers it reads from each trainer and the targets it computes; and one tiny run of ours end to end.
+
+torchtitan itself is not installed here (a benchmark-only baseline) and trains on CUDA only: its side is
+checked through the config text it would read and the log lines it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import bench_scale as bs
+
+
+def _args(*flags: str):
+    return bs.parse_args(["--out", "/tmp/unused", *flags])
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def test_defaults_are_the_issues_shape():
+    args = _args()
+    assert (args.layers, args.seq_len, args.batch_size, args.steps, args.warmup) == (32, 8192, 1, 20, 5)
+    assert args.gpus == [1, 2, 4, 8] and args.impls == list(bs.IMPLS) and args.ac == ["selective", "full"]
+    assert (args.device, args.dtype, args.attention) == ("cuda", "bf16", "causal")
+    assert args.results.endswith(os.path.join("benchmarks", "results"))
+    tiny = bs.parse_args(["--out", "/tmp/t", "--tiny", "--gpus", "2", "1", "2"])
+    assert (tiny.layers, tiny.seq_len, tiny.device, tiny.dtype, tiny.results) == (2, 64, "cpu", "fp32", "/tmp/t")
+    assert tiny.gpus == [1, 2]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus", "0"], "--gpus needs positive counts"),
+    (["--layers", "33"], "--layers must be between 1 and 32"),
+    (["--layers", "0"], "--layers must be between 1 and 32"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--seq-len", "1"], "--seq-len must be at least 2"),
+    (["--steps", "5"], "--steps 5 leaves no timed step after --warmup 5"),
+    (["--profile", "--steps", "12"], "--profile profiles steps 6-7: give --steps at least 13"),
+    (["--prefetch", "-1"], "--prefetch must be at least 0"),
+    (["--doc-tokens", "0"], "--doc-tokens must be at least 1"),
+    (["--impls", "deepspeed"], "invalid choice: 'deepspeed'"),
+    (["--ac", "some"], "invalid choice: 'some'"),
+])
+def test_bad_arguments_are_refused_by_name(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        _args(*flags)
+    assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ commands
+def test_ours_command():
+    args = _args("--prefetch", "2", "--reshard-after-forward", "never", "--profile")
+    cmd = bs.ours_command(args, "ours+compile", 4, "full", "M", "D/data.jsonl", "O")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    text = " ".join(cmd)
+    for part in ("-m ligermodels.train --model M --from-scratch --data D/data.jsonl --out O --overwrite",
+                 "--seq-len 8192 --batch-size 1 --grad-accum 1 --steps 20", "--ac full --attention causal",
+                 "--dtype bf16 --device cuda --reshard-after-forward never --prefetch 2",
+                 "--lr-schedule constant --warmup-steps 0"):
+        assert part in text, part
+    assert cmd[-2:] == ["--compile", "--profile"]
+    split = bs.ours_command(args, "ours", 1, "full", "M", "D", "O", grad_accum=8, steps=3)
+    assert "--grad-accum 8 --steps 3" in " ".join(split) and "--compile" not in split and "--profile" not in split
+    assert bs.label("ours+compile", args) == "ours+compile+reshard-never+prefetch2"
+    assert bs.label("titan", args) == "titan" and bs.label("ours", _args()) == "ours"
+
+
+def test_titan_config_round_trips_through_toml():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    args = _args("--batch-size", "2", "--layers", "4", "--attention", "documents")
+    config = bs.titan_config(args, "titan+compile", "selective", "/w/model", "/w/data/data.jsonl", "/w/run")
+    parsed = tomllib.loads(bs.toml(config))
+    assert parsed == config
+    assert parsed["model"] == {"name": "llama3", "flavor": "8B_flex_layers4", "hf_assets_path": "/w/model"}
+    assert parsed["training"]["dataset"] == "c4_test" and parsed["training"]["dataset_path"] == "/w/data"
+    assert (parsed["training"]["local_batch_size"], parsed["training"]["seq_len"]) == (2, 8192)
+    assert (parsed["training"]["mixed_precision_param"], parsed["training"]["mixed_precision_reduce"]) == (
+        "bfloat16", "float32")
+    assert parsed["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
+    assert parsed["compile"] == {"enable": True, "components": ["model", "loss"]}
+    assert parsed["lr_scheduler"] == {"warmup_steps": 0, "decay_ratio": 0.0}
+    assert parsed["optimizer"]["lr"] == bs.LR and parsed["checkpoint"] == {"enable": False}
+    assert parsed["experimental"] == {"custom_import": "benchmarks.titan_flavors"}
+    full = bs.titan_config(_args(), "titan", "full", "m", "d/x.jsonl", "o")
+    assert full["model"]["flavor"] == "8B" and "experimental" not in full and full["compile"]["enable"] is False
+    with pytest.raises(TypeError, match="no TOML form"):
+        bs.toml({"a": {"b": None}})
+
+
+def test_titan_command_and_flavors():
+    cmd = bs.titan_command(8, "/w/titan.toml")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8"]
+    assert cmd[5:7] == ["--local-ranks-filter", "0"]
+    assert cmd[-4:] == ["-m", "torchtitan.train", "--job.config_file", "/w/titan.toml"]
+    assert [bs.titan_flavor(n, a) for n, a in ((32, "causal"), (32, "documents"), (1, "causal"))] == [
+        "8B", "8B_flex", "8B_layers1"]
+
+
+# ------------------------------------------------------------------------------------------ reading results
+def test_timing_takes_the_median_after_warmup_and_leaves_out_profiled_steps():
+    step_s = {1: 9.0, 2: 1.0, 3: 2.0, 4: 4.0, 5: 50.0, 6: 2.0}
+    row = bs.timing(step_s, {k: 10.0 - k for k in step_s}, 8192, warmup=1, skip=(5,), flops_per_token=1e9,
+                    peak=1e12)
+    assert row["step_s_median"] == 2.0 and row["steps"] == 6 and row["steps_timed"] == 4
+    assert row["tokens_per_s_per_gpu"] == 4096.0 and row["mfu"] == round(1e9 * 4096 / 1e12, 4)
+    assert row["losses"] == [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]
+    assert bs.timing(step_s, {}, 1, warmup=1, flops_per_token=None, peak=1e12)["mfu"] is None
+    assert "no timed steps" in bs.timing({1: 1.0}, {1: 1.0}, 1, warmup=1)["error"]
+    assert bs.timing({1: 1.0, 2: 1.0}, {1: float("nan"), 2: 3.0}, 1, warmup=0)["losses"] == [None, 3.0]
+
+
+def test_ours_steps_from_metrics():
+    metrics = [{"step": 1, "loss": 12.0, "tokens_per_s": 1000.0}, {"step": 2, "loss": 11.5, "tokens_per_s": 4000.0}]
+    step_s, losses = bs.ours_steps(metrics, 8000)
+    assert step_s == {1: 8.0, 2: 2.0} and losses == {1: 12.0, 2: 11.5}
+
+
+def _titan_line(step, loss, grad_norm, reserved, pct, tps, tflops, mfu):
+    """torchtitan 0.2.2's console line (components/metrics.py) with colours off, behind its log prefixes."""
+    return (f"[rank0]:[titan] 2026-11-25 12:00:00,000 - root - INFO - step: {step:2}  loss: {loss:8.5f}  "
+            f"grad_norm: {grad_norm:7.4f}  memory: {reserved:5.2f}GiB({pct:.2f}%)  tps: {round(tps):,}  "
+            f"tflops: {tflops:,.2f}  mfu: {mfu:.2f}%\n")
+
+
+def test_titan_console_lines_are_read():
+    text = ("[rank0]:[titan] ... - root - INFO - Training starts at step 1\n"
+            + _titan_line(1, 12.25, 3.5, 61.25, 43.8, 1234.4, 58.1, 5.87)
+            + _titan_line(2, 11.875, 2.0, 62.5, 44.7, 7021.0, 402.13, 40.66))
+    steps = bs.parse_titan_log(text)
+    assert steps == {1: {"loss": 12.25, "reserved_gib": 61.25, "tps": 1234.0, "mfu_pct": 5.87},
+                     2: {"loss": 11.875, "reserved_gib": 62.5, "tps": 7021.0, "mfu_pct": 40.66}}
+    row = bs.titan_fields(steps, 8192, 1, None, None)
+    assert row["step_s_median"] == round(8192 / 7021, 4) and row["mfu_own"] == 0.4066
+    assert row["peak_mem_gb"] == round(62.5 * 2**30 / 1e9, 2) and row["peak_mem_kind"].startswith("max reserved")
+    assert row["losses"] == [12.25, 11.875]
+
+
+def test_titan_tensorboard_numbers_give_step_time_and_active_memory():
+    steps = {s: {"loss": 12.0 - s, "step_s": 3.0 if s == 1 else 0.5 + s / 100, "active_gib": 40.0 + s,
+                 "reserved_gib": 50.0, "mfu_pct": 40.0 + s} for s in range(1, 6)}
+    row = bs.titan_fields(steps, 4096, 2, 1e9, 989e12)
+    assert row["step_s_median"] == 0.54 and row["tokens_per_s_per_gpu"] == round(4096 / 0.54, 1)
+    assert row["peak_mem_gb"] == round(45 * 2**30 / 1e9, 2) and row["peak_mem_kind"].startswith("max active")
+    assert row["peak_reserved_gb"] == round(50 * 2**30 / 1e9, 2) and row["mfu_own"] == 0.44
+
+
+# ------------------------------------------------------------------------------------------ targets
+def _row(label, gpus, tps, mem, ac="selective", **extra):
+    return {"label": label, "impl": label.split("+reshard")[0], "gpus": gpus, "ac": ac, "grad_accum": 1,
+            "tokens_per_s_per_gpu": tps, "peak_mem_gb": mem, "losses": [], **extra}
+
+
+def test_targets_from_rows():
+    rows = [_row("ours", 1, 1000.0, 60.0), _row("ours+compile", 1, 1100.0, 59.0),
+            _row("titan+compile", 1, 1000.0, 70.0), _row("ours", 2, 960.0, 40.0), _row("ours+compile", 2, 1000.0, 41.0),
+            _row("titan+compile", 2, 900.0, 40.0), _row("titan", 2, 800.0, 39.0), _row("ours", 4, 930.0, 30.0),
+            _row("ours", 8, 899.0, 25.0),
+            _row("titan+compile", 8, 700.0, 20.0, error="exit 1"),
+            _row("ours", 1, 500.0, 60.0, ac="full"), _row("titan+compile", 1, 400.0, 50.0, ac="full")]
+    checks = bs.targets(rows)
+    assert checks["1:selective"] == {"ours": "ours+compile", "speed_vs_titan_compile": 1.1,
+                                     "memory_vs_titan_compile": round(59 / 70, 3), "holds": False}
+    assert checks["2:selective"] == {"ours": "ours+compile", "speed_vs_titan_compile": round(1000 / 900, 3),
+                                     "memory_vs_titan_compile": 1.025, "holds": False}
+    assert checks["1:full"] == {"ours": "ours", "speed_vs_titan_compile": 1.25, "memory_vs_titan_compile": 1.2,
+                                "holds": False}
+    assert "8:selective" not in checks  # torchtitan + compile failed there
+    assert checks["ours:selective"] == {"scaling_2": {"ratio": 0.96, "holds": True},
+                                        "scaling_4": {"ratio": 0.93, "holds": None},
+                                        "scaling_8": {"ratio": 0.899, "holds": False}}
+    assert checks["ours+compile:selective"] == {"scaling_2": {"ratio": round(1000 / 1100, 3), "holds": False}}
+    assert "titan:selective" not in checks  # no 1-GPU run of plain torchtitan
+    fast = [_row("ours", 2, 1035.0, 40.0), _row("titan+compile", 2, 900.0, 40.0)]
+    assert bs.targets(fast)["2:selective"]["holds"] is True  # 1.15x and the same memory
+
+
+def test_split_invariance_check():
+    many = _row("ours", 4, 900.0, 30.0, losses=[12.0, 11.9, 11.8, 11.7])
+    split = _row("ours", 1, 800.0, 60.0, role="split-check", grad_accum=4, losses=[12.0, 11.9 * (1 + 2e-6), 11.8])
+    assert bs.targets([many, split])["split:4:selective"] == {"steps": 3, "max_rel_loss_diff": pytest.approx(2e-6),
+                                                              "holds": True}
+    split["losses"][2] = 11.8 * (1 + 3e-5)
+    assert bs.targets([many, split])["split:4:selective"]["holds"] is False
+    assert "ours:selective" not in bs.targets([many, split])  # a split-check run is no 1-GPU baseline
+
+
+def test_rows_of_an_earlier_invocation_are_kept_unless_measured_again(tmp_path):
+    old = [_row("ours", 1, 1.0, 1.0), _row("titan", 1, 2.0, 2.0), _row("ours", 1, 3.0, 3.0, ac="full")]
+    new = [_row("ours", 1, 4.0, 4.0)]
+    merged = bs.merge_rows(old, new)
+    assert [(r["label"], r["ac"], r["tokens_per_s_per_gpu"]) for r in merged] == [
+        ("titan", "selective", 2.0), ("ours", "full", 3.0), ("ours", "selective", 4.0)]
+    path = tmp_path / "scale.json"
+    assert bs.load_previous(str(path), "gpu-host") == {"rows": [], "notes": []}
+    path.write_text(json.dumps({"host": "gpu-host", "rows": old, "notes": ["n"]}))
+    assert bs.load_previous(str(path), "gpu-host") == {"rows": old, "notes": ["n"]}
+    with pytest.raises(SystemExit, match="holds runs of host 'gpu-host', not 'other': pass another --tag"):
+        bs.load_previous(str(path), "other")
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_tiny_run_of_ours_writes_its_row_and_skips_titan_and_absent_gpus(tmp_path):
+    """One CPU process (gloo, fp32, a 2-layer Llama), two steps: the JSON row holds what the GPU rows hold."""
+    bs.main(["--out", str(tmp_path), "--tiny", "--gpus", "1", "4096", "--ac", "none", "--steps", "2", "--warmup", "1",
+             "--impls", "ours", "titan"])
+    files = [f for f in os.listdir(tmp_path) if f.startswith("scale-tiny-") and f.endswith(".json")]
+    assert len(files) == 1
+    with open(tmp_path / files[0]) as f:
+        result = json.load(f)
+    (row,) = result["rows"]
+    assert (row["label"], row["gpus"], row["ac"], row["steps"], row["steps_timed"]) == ("ours", 1, "none", 2, 1)
+    assert row["tokens_per_s_per_gpu"] > 0 and row["peak_mem_gb"] > 0 and len(row["losses"]) == 2
+    assert row["mfu"] is None and "ligermodels.train" in row["command"]
+    assert any(n.startswith("4096 GPUs skipped") for n in result["notes"])
+    assert any(n.startswith("torchtitan skipped") for n in result["notes"])
+    assert result["model_config"]["num_hidden_layers"] == 2 and result["host"]
+    assert os.listdir(tmp_path / "data") == ["data.jsonl"]  # torchtitan reads the whole directory
+    assert not (tmp_path / "runs" / "ours-n1-none" / "final").exists()
