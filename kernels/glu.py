@@ -48,7 +48,7 @@ from kernels._common import (
 )
 from kernels.low_rank import (
     LowRank,
-    add_input_grad,
+    add_low_rank_input_grad_,
     check_low_rank,
     dropout_mask,
     low_rank_add_,
@@ -282,9 +282,8 @@ class GLULinearFunction(torch.autograd.Function):
         dla = dlb = None
         if lora_a is not None:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
-            dh_lr, dz, dlb = low_rank_backward(d2, lr, z, mask, needs_lb)
-            dh = add_input_grad(dh, dh_lr)
-            del dh_lr
+            dz, dlb = low_rank_backward(d2, lr, z, needs_lb)
+            add_low_rank_input_grad_(dh, dz, lr, mask)
         needs_h = needs_w or (lora_a is not None and needs_la)
         if kept is not None or not needs_h:
             h, dx = kept, _glu_bwd(dh, x, None, ctx.act)

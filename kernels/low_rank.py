@@ -8,11 +8,16 @@ blocks)::
     z = scale * u @ A.T                  A: (T*r, K), the T adapters' A matrices stacked: ONE GEMM
     out[:, s_t:e_t] += z_t @ B_t.T       B: (sum_t (e_t - s_t), r), B_t its rows for target t
 
-(``z_t`` is z's columns ``[t*r, (t+1)*r)``.) As PEFT does, the low-rank term is computed in fp32
-(fp64 for fp64 inputs) and added to the projection output before it is rounded to its dtype, and
-the dropout applies to the adapters' input only. Backward, with ``d = dout``::
+(``z_t`` is z's columns ``[t*r, (t+1)*r)``.) The T products ``z_t @ B_t.T`` are one GEMM: z times the
+block-diagonal (T*r, N) matrix :func:`block_b` holding each ``B_t.T`` in its own rows and output columns,
+added onto the projection output in place (``out.addmm_``: one read and one write of it, however many
+targets). The GEMMs run in the input's dtype for bf16/fp16 (tensor cores, fp32 accumulation; the A and B
+masters are cast, as under autocast, so z is rounded to that dtype as PEFT's adapters under a bf16 Trainer
+round their output) and in fp32 (fp64) otherwise; the dropout applies to the adapters' input only.
+Backward, with ``d = dout``::
 
-    dB_t = d[:, s_t:e_t].T @ z_t         dz_t = scale * d[:, s_t:e_t] @ B_t
+    dz  = scale * d @ block_b.T          (M, T*r): every target's d[:, s_t:e_t] @ B_t at once
+    dB_t = (z.T @ d)[t*r:(t+1)*r, s_t:e_t].T
     dx  += dropout'(dz @ A)              dA = dz.T @ u      (u needs x again: see the callers)
 
 Saved for backward: A, B, z (M x T*r, small), the keep-mask when dropping (M x K bool), and
@@ -20,6 +25,10 @@ whatever the caller keeps of x. :func:`kernels.rms_norm_linear` and :func:`kerne
 take a :class:`LowRank` and write their input (the norm output, the GLU activation) again in
 backward, as they do for the weight gradient, so the adapters keep no (M, K) activation of their
 own; :func:`lora_linear` is the same for a plain projection (it keeps x, which dA needs).
+
+An earlier version computed each target's term in fp32 and rounded the sum once: its fp32 copies of
+every (M, width) output slice and gradient made a Llama-3.2-1B LoRA step (batch 8 x 2048, H100) 3x slower
+than full fine-tuning (benchmarks/results/lora-NVIDIA_H100_80GB_HBM3-2026-11-25a.json).
 """
 
 from __future__ import annotations
@@ -59,7 +68,8 @@ def check_low_rank(lr: LowRank, in_features: int, out_features: int, what: str) 
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The low-rank GEMMs' dtype for inputs of ``dtype``: bf16 / fp16 themselves, fp64 for fp64, else fp32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16, torch.float64) else torch.float32
 
 
 def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
@@ -85,47 +95,53 @@ def _blocks(lr: LowRank):
         row += e - s
 
 
-def low_rank_add_(out2: torch.Tensor, x2: torch.Tensor, lr: LowRank, mask: torch.Tensor | None) -> torch.Tensor:
-    """Add the low-rank term of x2 (M, K) to out2 (M, N) in place (each block rounded once to out2's dtype);
-    returns z = scale * dropout(x2) @ A.T (M, T*r) in the compute dtype, for backward."""
-    cd = compute_dtype(x2.dtype)
+def block_b(lr: LowRank, n_out: int, dtype: torch.dtype) -> torch.Tensor:
+    """(T*r, N) block-diagonal: target t's ``B_t.T`` in rows [t*r, (t+1)*r) and its output columns
+    [s_t, e_t), zeros elsewhere, so ``z @ block_b`` is every target's term in its own columns."""
     r = lr.a.shape[0] // len(lr.slices)
-    z = (_input(x2, mask, lr.dropout, cd) @ lr.a.to(cd).t()).mul_(lr.scale)
-    b = lr.b.to(cd)
+    bb = lr.b.new_zeros((lr.a.shape[0], n_out), dtype=dtype)
     for t, s, e, rows in _blocks(lr):
-        out2[:, s:e] = torch.addmm(out2[:, s:e].to(cd), z[:, t * r:(t + 1) * r], b[rows].t())
+        bb[t * r:(t + 1) * r, s:e] = lr.b[rows].t()
+    return bb
+
+
+def low_rank_add_(out2: torch.Tensor, x2: torch.Tensor, lr: LowRank, mask: torch.Tensor | None) -> torch.Tensor:
+    """Add the low-rank term of x2 (M, K) to out2 (M, N) in place (one GEMM onto it); returns
+    z = scale * dropout(x2) @ A.T (M, T*r) in the compute dtype, for backward."""
+    cd = compute_dtype(x2.dtype)
+    z = (_input(x2, mask, lr.dropout, cd) @ lr.a.to(cd).t()).mul_(lr.scale)
+    out2.addmm_(z, block_b(lr, out2.shape[1], cd))  # out2 is x2's projection: in x2's dtype, the compute dtype
     return z
 
 
-def low_rank_backward(d2: torch.Tensor, lr: LowRank, z: torch.Tensor, mask: torch.Tensor | None,
-                      needs_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """From the output gradient d2 (M, N): (the input's gradient (M, K) in the compute dtype, dz (M, T*r)
-    for :func:`low_rank_grad_a`, dB in B's dtype or None)."""
+def low_rank_backward(d2: torch.Tensor, lr: LowRank, z: torch.Tensor, needs_b: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """From the output gradient d2 (M, N): (dz (M, T*r) in the compute dtype, for
+    :func:`add_low_rank_input_grad_` and :func:`low_rank_grad_a`; dB in B's dtype, or None)."""
     cd = z.dtype
     r = lr.a.shape[0] // len(lr.slices)
-    b = lr.b.to(cd)
-    dz = torch.empty_like(z)
-    db = torch.empty(lr.b.shape, dtype=cd, device=z.device) if needs_b else None
-    for t, s, e, rows in _blocks(lr):
-        dt = d2[:, s:e].to(cd)
-        if needs_b:
-            db[rows] = dt.t() @ z[:, t * r:(t + 1) * r]
-        dz[:, t * r:(t + 1) * r] = dt @ b[rows]
-    dz.mul_(lr.scale)
-    dx = dz @ lr.a.to(cd)
-    if mask is not None:
-        dx = dx.masked_fill_(~mask.view(dx.shape), 0.0).mul_(1.0 / (1.0 - lr.dropout))
-    return dx, dz, (None if db is None else db.to(lr.b.dtype))
+    d2 = d2.to(cd)
+    dz = (d2 @ block_b(lr, d2.shape[1], cd).t()).mul_(lr.scale)
+    db = None
+    if needs_b:
+        dbb = z.t() @ d2  # (T*r, N): the blocks on the diagonal are the dB_t.T
+        db = torch.cat([dbb[t * r:(t + 1) * r, s:e].t() for t, s, e, _ in _blocks(lr)]).to(lr.b.dtype)
+    return dz, db
+
+
+def add_low_rank_input_grad_(dx2: torch.Tensor, dz: torch.Tensor, lr: LowRank, mask: torch.Tensor | None
+                             ) -> torch.Tensor:
+    """dx2 (M, K) += dropout'(dz @ A), in place (one GEMM onto it without dropout); returns dx2."""
+    a = lr.a.to(dz.dtype)
+    if mask is None:
+        return dx2.addmm_(dz, a)
+    part = (dz @ a).masked_fill_(~mask.view(dx2.shape), 0.0)
+    return dx2.add_(part, alpha=1.0 / (1.0 - lr.dropout))
 
 
 def low_rank_grad_a(dz: torch.Tensor, x2: torch.Tensor, lr: LowRank, mask: torch.Tensor | None) -> torch.Tensor:
     """dA = dz.T @ dropout(x2), in A's dtype."""
     return (dz.t() @ _input(x2, mask, lr.dropout, dz.dtype)).to(lr.a.dtype)
-
-
-def add_input_grad(dx: torch.Tensor, dx_low_rank: torch.Tensor) -> torch.Tensor:
-    """dx (in the input dtype) + the low-rank part (compute dtype), rounded once to dx's dtype."""
-    return dx.to(dx_low_rank.dtype).add_(dx_low_rank.view(dx.shape)).to(dx.dtype)
 
 
 def low_rank_reference(x: torch.Tensor, out: torch.Tensor, lr: LowRank,
@@ -168,8 +184,8 @@ class LoRALinearFunction(torch.autograd.Function):
         needs_x, needs_w, needs_bias, needs_a, needs_b = ctx.needs_input_grad[:5]
         d2 = dout.reshape(-1, dout.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        dx_lr, dz, db = low_rank_backward(d2, lr, z, mask, needs_b)
-        dx = add_input_grad(d2 @ weight, dx_lr).view(x.shape) if needs_x else None
+        dz, db = low_rank_backward(d2, lr, z, needs_b)
+        dx = add_low_rank_input_grad_(d2 @ weight, dz, lr, mask).view(x.shape) if needs_x else None
         dw = d2.t() @ x2 if needs_w else None
         dbias = d2.sum(0) if needs_bias else None
         da = low_rank_grad_a(dz, x2, lr, mask) if needs_a else None

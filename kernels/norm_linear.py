@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from kernels._common import use_triton
 from kernels.low_rank import (
     LowRank,
-    add_input_grad,
+    add_low_rank_input_grad_,
     check_low_rank,
     dropout_mask,
     low_rank_add_,
@@ -115,9 +115,8 @@ class RMSNormLinearFunction(torch.autograd.Function):
         dw = dla = dlb = None
         if lora_a is not None:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
-            dy_lr, dz, dlb = low_rank_backward(d2, lr, z, mask, needs_lb)
-            dy = add_input_grad(dy, dy_lr)
-            del dy_lr
+            dz, dlb = low_rank_backward(d2, lr, z, needs_lb)
+            add_low_rank_input_grad_(dy.view(-1, dy.shape[-1]), dz, lr, mask)
         if needs_w or (lora_a is not None and needs_la):
             # the norm output: kept from forward, or written again
             y = kept if kept is not None else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
