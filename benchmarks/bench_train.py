@@ -732,6 +732,8 @@ def main(argv=None) -> None:
             print({k: v for k, v in row.items() if k not in ("losses", "error")}, row.get("error", "")[-600:],
                   flush=True)
             shape_rows.append(row)
+            if args.lora:  # after every run: a later one that runs out of time loses nothing
+                write_lora(args, env, rows + shape_rows, [], low, high)
         rows += shape_rows
         # written after every shape: a later one that runs out of time loses nothing
         if args.lora:  # the checks of the file's rows of this shape (other calls may have run other impls)
