@@ -325,26 +325,55 @@ def decode_table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def _train_runs() -> list[dict]:
-    """``train-*.json`` (benchmarks/bench_train.py), newest first, each keeping the shapes no newer file measured."""
+_COMPARISON_IMPLS = ("hf", "hf+liger", "hf+compile")
+
+
+def _train_files() -> list[dict]:
+    """Every ``train-*.json``, newest first (by the date recorded, then the file name)."""
     runs = []
     for f in glob.glob(os.path.join(RESULTS, "train-*.json")):
         with open(f) as fh:
             data = json.load(fh)
         data["_file"] = os.path.relpath(f, ROOT)
         runs.append(data)
+    return sorted(runs, key=lambda d: (d.get("date", ""), d["_file"]), reverse=True)
+
+
+def _shape(r: dict) -> tuple:
+    return r["model"], r["batch"], r.get("ac", "none")
+
+
+def _train_runs() -> list[dict]:
+    """``train-*.json`` (benchmarks/bench_train.py), newest first, each keeping the shapes no newer file compared:
+    a file counts for a shape only where it ran a transformers Trainer beside ligermodels.train (a comparison in
+    one lease); its rows of other shapes are left to :func:`_loop_only_runs`."""
     seen: set = set()
     out = []
-    for data in sorted(runs, key=lambda d: (d.get("date", ""), d["_file"]), reverse=True):
-        shapes = {(r["model"], r["batch"], r.get("ac", "none")) for r in data["rows"]}
-        rows = [r for r in data["rows"] if (r["model"], r["batch"], r.get("ac", "none")) not in seen]
-        seen |= shapes
+    for data in _train_files():
+        compared = {_shape(r) for r in data["rows"] if r["impl"] in _COMPARISON_IMPLS}
+        rows = [r for r in data["rows"] if _shape(r) in compared - seen]
+        seen |= compared
+        if rows:
+            out.append({**data, "rows": rows})
+    return out
+
+
+def _loop_only_runs() -> list[dict]:
+    """Rows of ``train-*.json`` files that ran ligermodels.train at a shape without a Trainer beside it (no
+    comparison of their own): the newest row of each shape and run, newest file first."""
+    seen: set = set()
+    out = []
+    for data in _train_files():
+        compared = {_shape(r) for r in data["rows"] if r["impl"] in _COMPARISON_IMPLS}
+        rows = [r for r in data["rows"] if _shape(r) not in compared and (*_shape(r), r["impl"]) not in seen]
+        seen |= {(*_shape(r), r["impl"]) for r in rows}
         if rows:
             out.append({**data, "rows": rows})
     return out
 
 
 _TRAIN_IMPLS = {"ligermodels": "`python -m ligermodels.train`", "ligermodels-causal": "the same, `--attention causal`",
+                "ligermodels-vocab": "the same, `--loss-strategy vocab`",
                 "bare": "bare step (bench_e2e, same precision)", "hf+liger": "Trainer + Liger-Kernel",
                 "hf+compile": "Trainer + torch.compile", "hf": "Trainer"}
 
@@ -475,6 +504,71 @@ def lora_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def loop_only_table(runs: list[dict], compared: list[dict]) -> str:
+    """ligermodels.train alone (``_loop_only_runs``): its runs of a lease without a Trainer, each shape's step
+    cost of attending within documents from the same lease, and, for reference only, the Trainer runs of the
+    comparison table at that shape (another lease, so not a target check)."""
+    d = runs[0]
+    files = ", ".join(f"`{r['_file']}`" for r in runs)
+    trainers = {}
+    for run in compared:
+        for r in run["rows"]:
+            if r["impl"] in _COMPARISON_IMPLS and "error" not in r:
+                trainers.setdefault(_shape(r), []).append(r)
+    lines = ["**ligermodels.train alone**, newer than the comparison above or at shapes it lacks (no Trainer ran in "
+             f"these leases: the last column is the ratio to the fastest Trainer of the table above, another lease "
+             f"and machine, for orientation, not a target check): {d['gpu']}, torch {d['torch']}, triton "
+             f"{d['triton']}, {d['date']} ({files}).", "",
+             "| model | batch | run | tokens/s | peak memory (GB) | vs fastest Trainer above |",
+             "|---|---|---|---|---|---|"]
+    for run in runs:
+        by = {}
+        for r in run["rows"]:
+            by.setdefault(_shape(r), {})[r["impl"]] = r
+            hf = trainers.get(_shape(r), [])
+            fastest = max(hf, key=lambda x: x["tokens_per_s"]) if hf else None
+            head = f"| {r['model']} | {r['batch']} | {_TRAIN_IMPLS.get(r['impl'], r['impl'])} |"
+            if "error" in r:
+                lines.append(f"{head} {'out of memory' if r.get('oom') else 'failed'} | | |")
+                continue
+            ratio = f"{r['tokens_per_s'] / fastest['tokens_per_s']:.3f} ({fastest['impl']})" if fastest else "-"
+            lines.append(f"{head} {r['tokens_per_s']:,.0f} | {r['peak_mem_gb']:.1f} | {ratio} |")
+        for shape, impls in by.items():
+            if "ligermodels" in impls and "ligermodels-causal" in impls:
+                cost = impls["ligermodels-causal"]["tokens_per_s"] / impls["ligermodels"]["tokens_per_s"] - 1
+                lines.append(f"| {shape[0]} | {shape[1]} | cost of attending within documents (same lease) | "
+                             f"{cost:.3f} | | |")
+    return "\n".join(lines)
+
+
+def attention_table(files: list[dict]) -> str:
+    """One layer's attention forward + backward within packed documents against causal over whole rows
+    (``attention-*.json``, benchmarks/bench_attention.py), each shape's rows from its newest file."""
+    seen, rows, used = set(), [], []
+    for d in files:
+        new = [r for r in d["rows"] if r["shape"] not in seen]
+        seen |= {r["shape"] for r in d["rows"]}
+        if new:
+            rows += new
+            used.append(d)
+    d = used[0]
+    names = ", ".join(f"`{u['_file']}`" for u in used)
+    lines = [f"Attention of one layer, forward + backward, kernel time, bf16, seq 2048, rows packed from documents of "
+             f"200-3000 tokens (`benchmarks/bench_attention.py`), on {d['gpu']}, torch {d['torch']}, triton "
+             f"{d['triton']}, {d['date']} ({names}). Useful TFLOP/s count only the (query, key) pairs each "
+             "computes (within documents: about 0.65 of whole rows); errors are against float64.", "",
+             "| shape | impl | ms | useful TFLOP/s | output error | d(qkv) error |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ms" in r:  # the block-mask build
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} | | | |")
+        elif "error" in r:
+            lines.append(f"| {r['shape']} | {r['impl']} | failed: {r['error'][:80]} | | | |")
+        else:
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['fwd_bwd_ms']:.3f} | {r['useful_tflops']:.0f} | "
+                         f"{r.get('out_rel_err', float('nan')):.1e} | {r.get('dqkv_rel_err', float('nan')):.1e} |")
+    return "\n".join(lines)
+
+
 def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
     """The README's performance section: what users run (``train-*.json``, then the LoRA runs of
     ``lora-*.json``), then ``runs`` from ``_e2e_runs()`` (the bare step, the breakdown), then the latest of
@@ -484,6 +578,9 @@ def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
     for d in train:
         groups.setdefault((d.get("gpu"), d.get("date")), []).append(d)
     parts = [train_table(sorted(g, key=lambda d: d["_file"])) for g in groups.values()]
+    loop_only = _loop_only_runs()
+    if loop_only:
+        parts.append(loop_only_table(loop_only, train))
     lora_groups: dict[tuple, list[dict]] = {}
     for d in _lora_runs():
         lora_groups.setdefault((d.get("gpu"), d.get("date")), []).append(d)
@@ -493,6 +590,12 @@ def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
     if e2e_pngs:
         parts += [f"![training step: tokens/s and peak memory on {gpu}]({os.path.relpath(png, ROOT)})"
                   for gpu, png in e2e_pngs.items()]
+    attention = []
+    for f in glob.glob(os.path.join(RESULTS, "attention-*.json")):
+        with open(f) as fh:
+            attention.append({**json.load(fh), "_file": os.path.relpath(f, ROOT)})
+    if attention:
+        parts.append(attention_table(sorted(attention, key=lambda d: (d["date"], d["_file"]), reverse=True)))
     for prefix, fn in (("kernels", kernels_table), ("flce", flce_table), ("linear", linear_table),
                        ("decode", decode_table), ("fsdp", fsdp_table)):
         d = _latest(prefix)

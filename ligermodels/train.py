@@ -431,7 +431,8 @@ def load_inputs(args: argparse.Namespace) -> Inputs:
 #: Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest is recomputed.
 _SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward")  # the last: packed documents and windows (ligermodels.attention)
     if hasattr(torch.ops.aten, name)}
 if hasattr(torch.ops, "higher_order") and hasattr(torch.ops.higher_order, "flex_attention"):
     _SAVED_OPS.add(torch.ops.higher_order.flex_attention)
@@ -783,8 +784,8 @@ class StepProfiler:
     numbers (for benchmarks)."""
 
     #: Kernel-name patterns -> category, first match wins.
-    CATEGORIES = (("matmul", r"gemm|matmul|cutlass|nvjet|xmma|cublas|splitk"),
-                  ("attention", r"flash|fmha|attention|_attn|sdpa|flex"),
+    CATEGORIES = (("attention", r"flash|fmha|attention|_attn|sdpa|flex"),  # before matmul: FlashAttention's
+                  ("matmul", r"gemm|matmul|cutlass|nvjet|xmma|cublas|splitk"),  # names hold "cutlass::"
                   ("communication (NCCL)", r"nccl"),
                   ("optimizer", r"adam|multi_tensor|FusedOptim"),
                   ("ligermodels kernels", r"_rms_norm|_rope|_glu|_ce_|_flce|_scale_cast"),
