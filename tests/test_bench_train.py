@@ -308,3 +308,37 @@ def test_report_renders_the_lora_runs(tmp_path, monkeypatch):
     assert "| m:b4 | 1.444 holds | 0.800 **misses** |" in text
     assert "m ligermodels (the trainer's model, optimiser and step, in-process) 6 (7 ran out of memory)." in text
     assert "--lora-rank 16 --lora-alpha 32" in text and "lr 0.0001 constant" in text
+
+
+def test_report_keeps_a_shapes_comparison_and_lists_newer_runs_without_a_trainer_apart(tmp_path, monkeypatch):
+    """A newer file that ran ligermodels.train alone at a shape does not replace the older file's comparison
+    with the Trainer there: its rows go to the table of runs without a Trainer, with the same lease's cost of
+    attending within documents and the ratio to the comparison's fastest Trainer."""
+    from benchmarks import report
+
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "transformers": "5.17"}
+    settings = {"seq": 2048, "steps": 16, "warmup_steps_dropped": 5, "ac": "none", "doc_words": [200, 3000],
+                "lr": 1e-5, "lr_schedule": "constant", "precision": "fp32 master weights, bf16 compute",
+                "grad_clip": 1.0}
+
+    def row(impl, tps, model="m", batch=4):
+        return {"impl": impl, "model": model, "batch": batch, "seq": 2048, "ac": "none", "tokens_per_s": tps,
+                "peak_mem_gb": 30.0}
+
+    full = [row("ligermodels", 100.0), row("hf+liger", 60.0), row("hf+compile", 80.0)]
+    alone = [row("ligermodels", 110.0), row("ligermodels-causal", 121.0), row("ligermodels", 50.0, model="n")]
+    for name, rows in (("train-H100-2026-12-01a.json", full), ("train-H100-2026-12-02b.json", alone)):
+        payload = {**env, "date": name[10:20], "settings": settings, "targets": bt.TARGETS,
+                   "checks": {}, "rows": rows}
+        (tmp_path / name).write_text(json.dumps(payload))
+    monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+    compared = report._train_runs()
+    assert [(r["impl"], r["tokens_per_s"]) for d in compared for r in d["rows"]] == \
+        [("ligermodels", 100.0), ("hf+liger", 60.0), ("hf+compile", 80.0)]
+    alone_runs = report._loop_only_runs()
+    assert [(r["model"], r["impl"]) for d in alone_runs for r in d["rows"]] == \
+        [("m", "ligermodels"), ("m", "ligermodels-causal"), ("n", "ligermodels")]
+    text = report.loop_only_table(alone_runs, compared)
+    assert "| m | 4 | `python -m ligermodels.train` | 110 | 30.0 | 1.375 (hf+compile) |" in text
+    assert "| m | 4 | cost of attending within documents (same lease) | 0.100 | | |" in text
+    assert "| n | 4 | `python -m ligermodels.train` | 50 | 30.0 | - |" in text
