@@ -118,25 +118,17 @@ def child_env(args: argparse.Namespace) -> dict:
     return env
 
 
-def run_training(args: argparse.Namespace, nproc: int, model_dir: str, data: str, out: str) -> dict:
-    """Run train.py under torchrun; returns {returncode, timed_out, wall_s, tail, step1_at, last_step_at, wrote_at}.
-
-    Output lines are timestamped as they arrive (train.py prints one per step with --log-every 1 on a
-    non-terminal), which splits the wall time into start-up, loop and export.
-    """
-    cmd = train_command(args, nproc, model_dir, data, out)
-    os.makedirs(out, exist_ok=True)
-    log_path = os.path.join(out, "torchrun.log")
-    print(f"\n=== {nproc} process(es): {' '.join(cmd[1:])}", flush=True)
+def run_logged(cmd: list[str], env: dict, log_path: str, timeout: float, on_line) -> dict:
+    """Run ``cmd`` (a torchrun) with its output written to ``log_path`` as it arrives, each line also passed
+    to ``on_line(line, seconds since launch)``; stop it after ``timeout`` seconds: SIGTERM, which torchrun
+    forwards to its workers (each in its own session) before exiting; SIGKILL to its process group if it is
+    still there a minute later. Returns {returncode, timed_out, wall_s, tail (the last 60 lines)}."""
     t0 = time.perf_counter()
-    marks: dict[str, float] = {}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True)
     timed_out = threading.Event()
 
     def stop():
-        """Stop the torchrun this function started: SIGTERM, which torchrun forwards to its workers (each in its
-        own session) before exiting; SIGKILL to its process group if it is still there a minute later."""
         timed_out.set()
         if proc.poll() is not None:
             return
@@ -149,32 +141,49 @@ def run_training(args: argparse.Namespace, nproc: int, model_dir: str, data: str
             except ProcessLookupError:
                 pass
 
-    timer = threading.Timer(args.timeout, stop)
+    timer = threading.Timer(timeout, stop)
     timer.start()
     tail: list[str] = []
     try:
         with open(log_path, "w") as log:
             for line in proc.stdout:
-                now = time.perf_counter() - t0
                 log.write(line)
                 tail = (tail + [line])[-60:]
-                step = re.match(r"step\s+(\d+)/", line)
-                if step:
-                    marks.setdefault("step1_at", now)
-                    marks["last_step_at"] = now
-                elif line.startswith("wrote "):
-                    marks["wrote_at"] = now
-                if args.verbose or not step or int(step[1]) in (1, args.steps):
-                    sys.stdout.write(f"  [{nproc}] {line}")
-                    sys.stdout.flush()
+                on_line(line, time.perf_counter() - t0)
         rc = proc.wait()
     finally:
         timer.cancel()
         if proc.poll() is None:  # interrupted while reading
             stop()
             proc.wait()
-    wall = time.perf_counter() - t0
-    return {"returncode": rc, "timed_out": timed_out.is_set(), "wall_s": wall, "tail": "".join(tail), **marks}
+    return {"returncode": rc, "timed_out": timed_out.is_set(), "wall_s": time.perf_counter() - t0,
+            "tail": "".join(tail)}
+
+
+def run_training(args: argparse.Namespace, nproc: int, model_dir: str, data: str, out: str) -> dict:
+    """Run train.py under torchrun; returns {returncode, timed_out, wall_s, tail, step1_at, last_step_at, wrote_at}.
+
+    Output lines are timestamped as they arrive (train.py prints one per step with --log-every 1 on a
+    non-terminal), which splits the wall time into start-up, loop and export.
+    """
+    cmd = train_command(args, nproc, model_dir, data, out)
+    os.makedirs(out, exist_ok=True)
+    print(f"\n=== {nproc} process(es): {' '.join(cmd[1:])}", flush=True)
+    marks: dict[str, float] = {}
+
+    def on_line(line: str, now: float) -> None:
+        step = re.match(r"step\s+(\d+)/", line)
+        if step:
+            marks.setdefault("step1_at", now)
+            marks["last_step_at"] = now
+        elif line.startswith("wrote "):
+            marks["wrote_at"] = now
+        if args.verbose or not step or int(step[1]) in (1, args.steps):
+            sys.stdout.write(f"  [{nproc}] {line}")
+            sys.stdout.flush()
+
+    run = run_logged(cmd, child_env(args), os.path.join(out, "torchrun.log"), args.timeout, on_line)
+    return {**run, **marks}
 
 
 def summarize(nproc: int, args: argparse.Namespace, metrics: list[dict], run: dict) -> dict:

@@ -84,16 +84,13 @@ import math
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 from benchmarks.bench_fsdp import child_env as fsdp_env
-from benchmarks.bench_fsdp import read_metrics, write_data, write_model_dir
+from benchmarks.bench_fsdp import read_metrics, run_logged, write_data, write_model_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ("ours", "ours+compile", "titan", "titan+compile")
@@ -246,46 +243,18 @@ def launch(cmd: list[str], log_path: str, timeout: float, env: dict, prefix: str
     process group if it is still there a minute later.
     """
     print(f"{prefix} {' '.join(cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
-    timed_out = threading.Event()
-
-    def stop():
-        timed_out.set()
-        if proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    timer = threading.Timer(timeout, stop)
-    timer.start()
-    tail: list[str] = []
     first_step = None
-    try:
-        with open(log_path, "w") as log:
-            for line in proc.stdout:
-                log.write(line)
-                tail = (tail + [line])[-60:]
-                is_step = STEP_LINE.search(line) is not None
-                if is_step and first_step is None:
-                    first_step = time.perf_counter() - t0
-                if verbose or not is_step:
-                    sys.stdout.write(f"{prefix} {line}")
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            stop()
-            proc.wait()
-    out = {"returncode": rc, "timed_out": timed_out.is_set(), "wall_s": round(time.perf_counter() - t0, 1),
-           "tail": "".join(tail)}
+
+    def on_line(line: str, now: float) -> None:
+        nonlocal first_step
+        is_step = STEP_LINE.search(line) is not None
+        if is_step and first_step is None:
+            first_step = now
+        if verbose or not is_step:
+            sys.stdout.write(f"{prefix} {line}")
+
+    out = run_logged(cmd, env, log_path, timeout, on_line)
+    out["wall_s"] = round(out["wall_s"], 1)
     if first_step is not None:
         out["first_step_s"] = round(first_step, 1)
     return out

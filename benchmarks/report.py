@@ -328,10 +328,11 @@ def decode_table(d: dict) -> str:
 _COMPARISON_IMPLS = ("hf", "hf+liger", "hf+compile")
 
 
-def _train_files() -> list[dict]:
-    """Every ``train-*.json``, newest first (by the date recorded, then the file name)."""
+def _files(prefix: str) -> list[dict]:
+    """Every ``<prefix>-*.json`` under RESULTS (with its path as ``_file``), newest first: by the date it
+    records, then by file name."""
     runs = []
-    for f in glob.glob(os.path.join(RESULTS, "train-*.json")):
+    for f in glob.glob(os.path.join(RESULTS, f"{prefix}-*.json")):
         with open(f) as fh:
             data = json.load(fh)
         data["_file"] = os.path.relpath(f, ROOT)
@@ -349,7 +350,7 @@ def _train_runs() -> list[dict]:
     one lease); its rows of other shapes are left to :func:`_loop_only_runs`."""
     seen: set = set()
     out = []
-    for data in _train_files():
+    for data in _files("train"):
         compared = {_shape(r) for r in data["rows"] if r["impl"] in _COMPARISON_IMPLS}
         rows = [r for r in data["rows"] if _shape(r) in compared - seen]
         seen |= compared
@@ -363,7 +364,7 @@ def _loop_only_runs() -> list[dict]:
     comparison of their own): the newest row of each shape and run, newest file first."""
     seen: set = set()
     out = []
-    for data in _train_files():
+    for data in _files("train"):
         compared = {_shape(r) for r in data["rows"] if r["impl"] in _COMPARISON_IMPLS}
         rows = [r for r in data["rows"] if _shape(r) not in compared and (*_shape(r), r["impl"]) not in seen]
         seen |= {(*_shape(r), r["impl"]) for r in rows}
@@ -401,9 +402,15 @@ def train_table(runs: list[dict]) -> str:
             lines.append(f"{head} {r['tokens_per_s']:,.0f} | {r['peak_mem_gb']:.1f} |")
     names = {"speed_vs_fastest_hf": "speed vs fastest Trainer", "memory_vs_hf_liger": "memory vs Trainer + Liger",
              "speed_vs_bare": "speed vs bare step", "document_attention_cost": "cost of document attention"}
-    at_most = ("memory_vs_hf_liger", "document_attention_cost")
-    heads = [f"{n} (target {'≤' if k in at_most else '≥'} {d['targets'][k]})" for k, n in names.items()]
-    lines += ["", "| shape | " + " | ".join(heads) + " |", "|---|" + "---|" * len(names)]
+    return "\n".join(lines + _checks_table(runs, names, ("memory_vs_hf_liger", "document_attention_cost"),
+                                            d["targets"]))
+
+
+def _checks_table(runs: list[dict], names: dict[str, str], at_most: tuple[str, ...], goals: dict) -> list[str]:
+    """The targets table of the shapes these runs show: one column per check in ``names`` (its target from
+    ``goals``, an upper bound for the keys in ``at_most``), each cell the ratio and whether it holds."""
+    heads = [f"{n} (target {'≤' if k in at_most else '≥'} {goals[k]})" for k, n in names.items()]
+    lines = ["", "| shape | " + " | ".join(heads) + " |", "|---|" + "---|" * len(names)]
     for run in runs:
         for shape, checks in run["checks"].items():
             if not any(f"{r['model']}:b{r['batch']}" == shape for r in run["rows"]):
@@ -414,22 +421,16 @@ def train_table(runs: list[dict]) -> str:
                 value = None if c is None else c.get("ratio", c.get("fraction"))
                 cells.append("-" if c is None else f"{value:.3f} {'holds' if c['holds'] else '**misses**'}")
             lines.append(f"| {shape} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 def _lora_runs() -> list[dict]:
     """``lora-*.json`` (benchmarks/bench_train.py --lora), newest first, each keeping the shapes (model, batch,
     activation checkpointing) and max-batch searches (impl, model, seq, activation checkpointing) that no
     newer file measured; files left with neither are dropped."""
-    runs = []
-    for f in glob.glob(os.path.join(RESULTS, "lora-*.json")):
-        with open(f) as fh:
-            data = json.load(fh)
-        data["_file"] = os.path.relpath(f, ROOT)
-        runs.append(data)
     seen, seen_fits = set(), set()
     out = []
-    for data in sorted(runs, key=lambda d: (d.get("date", ""), d["_file"]), reverse=True):
+    for data in _files("lora"):
         shapes = {(r["model"], r["batch"], r.get("ac", "none")) for r in data.get("rows", [])}
         rows = [r for r in data.get("rows", []) if (r["model"], r["batch"], r.get("ac", "none")) not in seen]
         keys = {(f["impl"], f["model"], f["seq"], f.get("ac", "none")) for f in data.get("max_batch", [])}
@@ -477,16 +478,7 @@ def lora_table(runs: list[dict]) -> str:
                 lines.append(f"{head} {r['tokens_per_s']:,.0f} | {r['peak_mem_gb']:.1f} |")
         names = {"speed_vs_fastest_peft": "speed vs faster Trainer + PEFT",
                  "memory_vs_peft_liger": "memory vs Trainer + PEFT + Liger"}
-        goals = measured[0]["targets"]
-        heads = [f"{n} (target {'≤' if k.startswith('memory') else '≥'} {goals[k]})" for k, n in names.items()]
-        lines += ["", "| shape | " + " | ".join(heads) + " |", "|---|" + "---|" * len(names)]
-        for run in measured:
-            for shape, checks in run["checks"].items():
-                if not any(f"{r['model']}:b{r['batch']}" == shape for r in run["rows"]):
-                    continue
-                cells = ["-" if k not in checks else
-                         f"{checks[k]['ratio']:.3f} {'holds' if checks[k]['holds'] else '**misses**'}" for k in names]
-                lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+        lines += _checks_table(measured, names, ("memory_vs_peft_liger",), measured[0]["targets"])
     fits = [f for run in runs for f in run.get("max_batch", [])]
     if fits:
         def found(f: dict) -> str:
@@ -590,12 +582,9 @@ def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
     if e2e_pngs:
         parts += [f"![training step: tokens/s and peak memory on {gpu}]({os.path.relpath(png, ROOT)})"
                   for gpu, png in e2e_pngs.items()]
-    attention = []
-    for f in glob.glob(os.path.join(RESULTS, "attention-*.json")):
-        with open(f) as fh:
-            attention.append({**json.load(fh), "_file": os.path.relpath(f, ROOT)})
+    attention = _files("attention")
     if attention:
-        parts.append(attention_table(sorted(attention, key=lambda d: (d["date"], d["_file"]), reverse=True)))
+        parts.append(attention_table(attention))
     for prefix, fn in (("kernels", kernels_table), ("flce", flce_table), ("linear", linear_table),
                        ("decode", decode_table), ("fsdp", fsdp_table)):
         d = _latest(prefix)
