@@ -52,7 +52,8 @@ LIGER_PATCH = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_ker
 #: transformers' attention implementation per ``model_type`` where SDPA (the default here) would not compute
 #: the model's math. Gemma 2 soft-caps its attention logits (``attn_logit_softcapping``), which SDPA cannot
 #: express: transformers 5.24 refuses ``attn_implementation="sdpa"`` for it (``Gemma2PreTrainedModel.
-#: _supports_sdpa = False``: a ValueError when the model is built). "eager" applies the cap
+#: _supports_sdpa = False``: a ValueError when the model is built), while 5.17 (the GPU machine's) accepts it
+#: and drops the cap without a word (tests/test_models_gpu.py). "eager" applies the cap
 #: (``eager_attention_forward(..., softcap=...)``), as ligermodels does (FlexAttention's ``score_mod`` on CUDA),
 #: so both sides compute the same attention: a baseline computing less would not be a fair comparison. Eager
 #: materialises the (B, Hq, S, S) scores, so it is slower and larger than a fused kernel would be.

@@ -404,33 +404,28 @@ def largest_batch(fit: Callable[[int], bool], start: int = 1, limit: int = 1024
 
 
 def train_step(model, optimizer, rows, start: int, batch: int, targs, device):
-    """One optimiser step of ``ligermodels.train``'s loop on one rank with ``--grad-accum 1`` (the loop's
-    own lines: rows ``start .. start + batch - 1``, the loss over their labelled tokens, backward, clipping
-    at ``--max-grad-norm``, the AdamW step, gradients freed); the loss (a device scalar)."""
+    """One optimiser step of ``ligermodels.train``'s loop on one rank with ``--grad-accum 1``: rows
+    ``start .. start + batch - 1`` through the loop's own ``forward_backward``, clipping at
+    ``--max-grad-norm``, the AdamW step, gradients freed; the loss (a device scalar)."""
     import torch
 
     from ligermodels.data import count_loss_tokens
-    from ligermodels.model import document_ids_from_positions
-    from ligermodels.train import to_device
+    from ligermodels.train import forward_backward, to_device
 
     input_ids, labels, positions = rows.rows(start, batch)
     num_items = to_device(torch.tensor(count_loss_tokens(labels)), device).clamp(min=1)
-    input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
-    documents = document_ids_from_positions(positions) if targs.attention == "documents" else None
-    loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions, document_ids=documents,
-                      strategy=targs.loss_strategy)
-    loss.backward()
+    loss = forward_backward(model, input_ids, labels, positions, num_items, targs, 1, device)
     optimizer.clip_grad_norm_(targs.max_grad_norm if targs.max_grad_norm > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return loss
 
 
 class LigermodelsTries:
     """``ligermodels-lora``'s --max-batch tries in this process: the model of the CLI run (its flags parsed by
     ``ligermodels.train.parse_args``; ``load_inputs`` and ``build_model``, a process group of one) built once,
-    its frozen base cast to bf16 by a first ``build_optimizer``; each try ``run(batch)`` builds a fresh
-    optimiser (``build_optimizer``: fresh adapter moments) and runs :data:`MAX_BATCH_STEPS` :func:`train_step` s.
+    its frozen base in bf16 on one GPU; each try ``run(batch)`` builds a fresh optimiser (``build_optimizer``:
+    fresh adapter moments) and runs :data:`MAX_BATCH_STEPS` :func:`train_step` s.
     ``close()`` leaves the process group."""
 
     def __init__(self, args, base: str, data: str):
@@ -445,10 +440,7 @@ class LigermodelsTries:
         inputs = T.load_inputs(self.targs)
         self.rows = PackedRows(inputs.documents, self.targs.seq_len, self.targs.seed)
         self.model = T.build_model(inputs, self.targs, self.rank, self.world, self.device)
-        # The fp32 base build_model placed is cast to bf16 by the first build_optimizer: done here, its memory
-        # released, so that the first try runs in the memory every later try has.
-        T.build_optimizer(self.model, self.targs, self.world)
-        gc.collect()
+        gc.collect()  # the host copy of the checkpoint build_model read, before the first try
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.losses: list[float] = []  # every step's loss, try after try

@@ -31,6 +31,7 @@ mask); elsewhere an exact dense computation with HF's arithmetic (``softcap_atte
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -80,16 +81,19 @@ class Documents:
         start = torch.ones(b, s, dtype=torch.bool)
         start[:, 1:] = ids[:, 1:] != ids[:, :-1]
         cu = torch.cat([start.flatten().nonzero().flatten(), torch.tensor([b * s])]).to(torch.int32)
-        cu_seqlens = cu if document_ids.device.type == "cpu" else _to(cu, document_ids.device)
-        return cls(document_ids, cu_seqlens, int(cu.diff().max()))
+        return cls(document_ids, to_device(cu, document_ids.device), int(cu.diff().max()))
 
     def to(self, device: torch.device | str) -> Documents:
         """The same documents on ``device`` (from pinned host memory, without waiting, to a GPU)."""
         device = torch.device(device)
-        return Documents(_to(self.ids, device), _to(self.cu_seqlens, device), self.max_len)
+        ids = None if self.ids is None else to_device(self.ids, device)
+        return Documents(ids, to_device(self.cu_seqlens, device), self.max_len)
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without making the host wait for the GPU: a host tensor goes to a GPU from pinned
+    memory (a copy from pageable memory waits for the stream; one from pinned memory is queued like a
+    kernel)."""
     if t.device == device:
         return t
     if device.type == "cuda" and t.device.type == "cpu":
@@ -132,7 +136,9 @@ class AttentionMask:
                 rows = torch.arange(0, (batch + 1) * self.seq_len, self.seq_len, dtype=torch.int32, device=device)
                 self.cache["varlen"] = Documents(None, rows, self.seq_len)
         spans = self.cache["varlen"]
-        return _to(spans.cu_seqlens, device), spans.max_len
+        if spans.cu_seqlens.device != device:  # host-built bounds: moved once, for every layer
+            spans = self.cache["varlen"] = spans.to(device)
+        return spans.cu_seqlens, spans.max_len
 
     def allowed(self, window: int | None, device: torch.device) -> torch.Tensor:
         """Dense (B or 1, 1, S, S) bool mask: True where a query may attend to a key."""
@@ -270,7 +276,7 @@ def _flex_attention(q, k, v, block_mask, scale, enable_gqa, softcap=None):
 
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     mod = None if softcap is None else _softcap_mod(softcap)
-    tuned = q.dtype != torch.float32 and torch.cuda.get_device_capability(q.device) == (9, 0)
+    tuned = q.dtype != torch.float32 and _capability(q.device) == (9, 0)
     return _compiled_flex(q, k, v, score_mod=mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                           kernel_options=FLEX_KERNEL_OPTIONS.get(q.shape[-1]) if tuned else None)
 
@@ -288,7 +294,13 @@ def flash_varlen_applies(q: torch.Tensor, dropout_p: float) -> bool:
     d = q.shape[-1]
     return (MASKED_ATTENTION == "flash" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and d % 8 == 0 and d <= 256 and dropout_p == 0.0
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+            and _capability(q.device)[0] >= 8)
+
+
+@functools.lru_cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once per device (the attention paths ask every layer)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -79,7 +79,7 @@ from checkpoints_tools import CheckpointError, load_hf, read_config, resolve, sa
 from checkpoints_tools.hub import safetensors_files
 from kernels import AdamW
 from ligermodels import demo_corpus
-from ligermodels.attention import Documents
+from ligermodels.attention import Documents, to_device
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.cli import environment_error, print_error
 from ligermodels.config import DecoderConfig
@@ -579,10 +579,18 @@ def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> Ad
     return optimizer
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host batch tensor on ``device`` without making the host wait for the GPU (a copy from pageable
-    memory waits for the stream; one from pinned memory is queued like a kernel)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+                     num_items: torch.Tensor, args: argparse.Namespace, world: int, device: torch.device
+                     ) -> torch.Tensor:
+    """One micro-batch of host rows (B, S): moved to ``device``, the loss summed over its labelled tokens and
+    divided by ``num_items`` (the global batch's), and its backward; returns the loss, detached."""
+    # the documents' bounds are found here, on the host, so attention needs no device-to-host copy
+    documents = Documents.from_positions(positions).to(device) if args.attention == "documents" else None
+    input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
+    loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions, document_ids=documents,
+                      strategy=args.loss_strategy)
+    (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
+    return loss.detach()
 
 
 def lr_factor(i: int, schedule: str, warmup: int, steps: int, min_ratio: float) -> float:
@@ -1043,13 +1051,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         num_items = n_tokens.clamp(min=1)
         loss_sum = torch.zeros((), device=device)
         for input_ids, labels, positions in micro:
-            # the documents' bounds are found here, on the host, so attention needs no device-to-host copy
-            documents = Documents.from_positions(positions).to(device) if args.attention == "documents" else None
-            input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
-            loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
-                              document_ids=documents, strategy=args.loss_strategy)
-            (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
-            loss_sum += loss.detach()
+            loss_sum += forward_backward(model, input_ids, labels, positions, num_items, args, world, device)
             if args.grad_accum > 1:
                 optimizer.accumulate_grads_()  # low-precision gradients summed in fp32
         grad_norm = optimizer.clip_grad_norm_(max_norm)  # the next step() scales the gradients

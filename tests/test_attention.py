@@ -231,3 +231,16 @@ def test_bf16_documents_and_windows_run_flash_varlen():
         out = causal_attention(q, k, v, mask=mask, window=window)
         node = out.grad_fn.next_functions[0][0]  # out is a view of the kernel's (B*S, Hq, D) output
         assert type(node).__name__ == "FlashAttentionBackward0", f"window {window}: {type(node).__name__}"
+
+
+def test_host_built_bounds_move_to_the_device_once_for_every_layer():
+    """Documents built on the host give every layer the same cu_seqlens on the device: moved at the first
+    layer's call and kept (one copy per forward, not one per layer); without documents, one sequence per row."""
+    docs = Documents.from_positions(torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]]))
+    mask = AttentionMask(6, docs)
+    meta = torch.device("meta")
+    first, n = mask.varlen(2, meta)
+    again, _ = mask.varlen(2, meta)
+    assert first.device == meta and again is first and n == 4
+    rows, longest = AttentionMask(6).varlen(2, torch.device("cpu"))
+    assert rows.tolist() == [0, 6, 12] and longest == 6

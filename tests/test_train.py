@@ -311,7 +311,8 @@ def test_lora_on_one_rank_in_bf16_allocates_the_frozen_base_in_bf16(checkpoint, 
     out = workdir / "lora-bf16"
     args = parse_args([*_flags(checkpoint, data, out), "--dtype", "bf16", "--lora-rank", "4", "--save-every", "0"])
     assert isinstance(args, argparse.Namespace)
-    torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{workdir / 'lora-bf16.store'}", rank=0,
+                                         world_size=1)  # a file store: no port to collide with another run
     try:
         model = build_model(load_inputs(args), args, 0, 1, torch.device("cpu"))
         build_optimizer(model, args, 1)
