@@ -23,8 +23,9 @@ Per run: ``tokens_per_s`` (median over the steps after ``--warmup`` of all input
 the step time being ligermodels.train's own per-step figure, or the time between the Trainer's
 consecutive ``on_step_end`` callbacks after a device sync), ``peak_mem_gb``
 (``max_memory_allocated``, whole run), and ``losses`` (every step's loss, to compare the runs'
-numbers). ``ligermodels-vocab`` is the same run with ``--loss-strategy vocab`` (no fp32 vocab x hidden
-gradient buffer in the loss head: less memory at large vocabularies, one more GEMM).
+numbers). ``ligermodels`` runs the CLI's default loss head (``--loss-strategy auto``: ``vocab`` at Gemma's
+256k vocabulary, ``tokens`` at the others); ``ligermodels-tokens`` / ``ligermodels-vocab`` force one
+(``vocab``: no fp32 vocab x hidden gradient buffer in the loss head, less memory, one more GEMM).
 ``ligermodels-causal`` is the same run attending across whole rows (``--attention causal``):
 the step's cost of attending within documents. ``bare`` is the same model's training step alone
 (``benchmarks.bench_e2e``'s ligermodels step with the training loop's optimiser: bf16 parameters,
@@ -95,10 +96,13 @@ import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FULL_IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-vocab", "hf", "hf+liger", "hf+compile", "bare")
+FULL_IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-tokens", "ligermodels-vocab", "hf", "hf+liger",
+              "hf+compile", "bare")
 #: The LoRA runs: ``--lora`` runs the first three; ``hf+peft`` (the Trainer alone) only when named in --impls.
 LORA_IMPLS = ("ligermodels-lora", "hf+peft+liger", "hf+peft+compile", "hf+peft")
 IMPLS = FULL_IMPLS + LORA_IMPLS
+#: What runs without ``--impls``: the loss-head variants only when asked for.
+DEFAULT_FULL_IMPLS = tuple(i for i in FULL_IMPLS if i not in ("ligermodels-tokens", "ligermodels-vocab"))
 HF_IMPLS = ("hf", "hf+liger", "hf+compile")
 HF_LORA_IMPLS = ("hf+peft+liger", "hf+peft+compile", "hf+peft")
 SEED = 0
@@ -199,7 +203,7 @@ def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: s
            "--steps", str(args.steps), "--save-every", "0", "--log-every", "10", "--lr", str(LORA_LR if lora else LR),
            "--lr-schedule", "constant", "--warmup-steps", "0", "--seed", str(SEED), "--ac", args.ac,
            "--attention", "causal" if impl == "ligermodels-causal" else "documents",
-           *(["--loss-strategy", "vocab"] if impl == "ligermodels-vocab" else [])]
+           *(["--loss-strategy", impl.split("-")[1]] if impl in ("ligermodels-tokens", "ligermodels-vocab") else [])]
     if lora:
         cmd += ["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
                 str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])]
@@ -319,9 +323,13 @@ def hf_worker(args) -> dict:
 
 
 def bare_worker(args) -> dict:
-    """(In a child process.) bench_e2e's ligermodels step with the loop's fp32-master optimiser."""
+    """(In a child process.) bench_e2e's ligermodels step with the loop's fp32-master optimiser and loss head."""
     from benchmarks import bench_e2e
+    from ligermodels.train import AUTO_VOCAB_BYTES
 
+    model = bench_e2e.MODELS[args.model]  # the loss head ligermodels.train picks by default (--loss-strategy auto)
+    vocab_buffer = 4 * model["vocab_size"] * model["hidden_size"]
+    bench_e2e.FLCE_STRATEGY = "vocab" if vocab_buffer >= AUTO_VOCAB_BYTES else "tokens"
     row = bench_e2e.measure("ligermodels+master", args.model, args.batch, args.seq, args.steps - args.warmup,
                             args.warmup, args.ac != "none", None)
     return {"tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"], "peak_mem_gb": row["peak_mem_gb"],
@@ -612,7 +620,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runs", nargs="+", default=["qwen2-1.5b:4"],
                     help="MODEL:BATCH, MODEL from bench_e2e.MODELS (--max-batch: MODEL[:FIRST BATCH TRIED], default 1)")
     ap.add_argument("--impls", nargs="+", choices=IMPLS,
-                    help=f"default: {' '.join(FULL_IMPLS)}; with --lora: {' '.join(LORA_IMPLS[:3])}")
+                    help=f"default: {' '.join(DEFAULT_FULL_IMPLS)}; with --lora: {' '.join(LORA_IMPLS[:3])}")
     ap.add_argument("--lora", action="store_true", help="the LoRA runs (rank 16 on all seven projections)")
     ap.add_argument("--max-batch", action="store_true",
                     help="LoRA: find each impl's largest micro-batch, in one process per impl")
@@ -637,7 +645,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from benchmarks.bench_e2e import MODELS
 
     if args.impls is None:
-        args.impls = list(LORA_IMPLS[:3] if args.lora or args.max_batch else FULL_IMPLS)
+        args.impls = list(LORA_IMPLS[:3] if args.lora or args.max_batch else DEFAULT_FULL_IMPLS)
     lora = [i for i in args.impls if i in LORA_IMPLS]
     full = [i for i in args.impls if i not in LORA_IMPLS]
     if lora and full:
@@ -708,7 +716,7 @@ def main(argv=None) -> None:
         for impl in args.impls:
             out = os.path.join(work, model, f"{impl}-b{batch}")
             print(f"=== {impl} {model} b{batch} x {args.seq} ({time.strftime('%T')})", flush=True)
-            profile = args.profile and impl in ("ligermodels", "ligermodels-lora")
+            profile = args.profile and impl.startswith("ligermodels")
             if impl.startswith("ligermodels"):
                 row = run_ligermodels(args, impl, base or model_dir, data, batch, out, profile)
             else:
@@ -716,7 +724,8 @@ def main(argv=None) -> None:
             row = {"impl": impl, "model": model, "batch": batch, "seq": args.seq, "ac": args.ac, **row}
             profile = row.pop("profile", None)
             if profile:
-                name = f"{'lora' if args.lora else 'train'}-profile-{model}-b{batch}.txt"
+                variant = "" if impl in ("ligermodels", "ligermodels-lora") else "-" + impl.split("-", 1)[1]
+                name = f"{'lora' if args.lora else 'train'}-profile-{model}-b{batch}{variant}.txt"
                 os.makedirs(os.path.join(args.results, "profiles"), exist_ok=True)
                 with open(os.path.join(args.results, "profiles", name), "w") as f:
                     f.write(profile)

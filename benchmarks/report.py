@@ -374,6 +374,7 @@ def _loop_only_runs() -> list[dict]:
 
 
 _TRAIN_IMPLS = {"ligermodels": "`python -m ligermodels.train`", "ligermodels-causal": "the same, `--attention causal`",
+                "ligermodels-tokens": "the same, `--loss-strategy tokens`",
                 "ligermodels-vocab": "the same, `--loss-strategy vocab`",
                 "bare": "bare step (bench_e2e, same precision)", "hf+liger": "Trainer + Liger-Kernel",
                 "hf+compile": "Trainer + torch.compile", "hf": "Trainer"}

@@ -48,12 +48,12 @@ from kernels._common import (
 )
 from kernels.low_rank import (
     LowRank,
-    add_low_rank_input_grad_,
     check_low_rank,
     dropout_mask,
-    low_rank_add_,
     low_rank_backward,
     low_rank_grad_a,
+    low_rank_input_grad,
+    low_rank_linear,
     low_rank_reference,
 )
 
@@ -256,13 +256,15 @@ class GLULinearFunction(torch.autograd.Function):
                 keep_activation: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
                 lora_dropout: float = 0.0) -> torch.Tensor:
         h = _glu_fwd(x, None, act)
-        out = F.linear(h, weight, bias)
         z = mask = None
-        if lora_a is not None:
+        if lora_a is None:
+            out = F.linear(h, weight, bias)
+        else:
             h2 = h.view(-1, h.shape[-1])
             mask = dropout_mask(h2, lora_dropout)
-            z = low_rank_add_(out.view(-1, out.shape[-1]), h2,
-                              LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout), mask)
+            out, z = low_rank_linear(h2, weight, bias, LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout),
+                                     mask)
+            out = out.view(*h.shape[:-1], weight.shape[0])
             ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         lora = [] if lora_a is None else [lora_a, lora_b, z] + ([] if mask is None else [mask])
         ctx.save_for_backward(x, weight, *lora, *([h] if keep_activation else []))
@@ -278,12 +280,13 @@ class GLULinearFunction(torch.autograd.Function):
         needs_w, needs_b = ctx.needs_input_grad[1:3]
         needs_la, needs_lb = ctx.needs_input_grad[5:7]
         d2 = dout.reshape(-1, dout.shape[-1])
-        dh = d2 @ weight  # (M, I)
         dla = dlb = None
-        if lora_a is not None:
+        if lora_a is None:
+            dh = d2 @ weight  # (M, I)
+        else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
             dz, dlb = low_rank_backward(d2, lr, z, needs_lb)
-            add_low_rank_input_grad_(dh, dz, lr, mask)
+            dh = low_rank_input_grad(d2, weight, dz, lr, mask)
         needs_h = needs_w or (lora_a is not None and needs_la)
         if kept is not None or not needs_h:
             h, dx = kept, _glu_bwd(dh, x, None, ctx.act)

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from kernels._common import use_triton
 from kernels.low_rank import (
     LowRank,
-    add_low_rank_input_grad_,
     check_low_rank,
     dropout_mask,
-    low_rank_add_,
     low_rank_backward,
     low_rank_grad_a,
+    low_rank_input_grad,
+    low_rank_linear,
     low_rank_reference,
 )
 from kernels.rms_norm import (
@@ -79,12 +79,13 @@ class RMSNormLinearFunction(torch.autograd.Function):
         else:
             y, h, rstd = _fused_add_rms_norm_fwd(x, residual, norm_weight, eps, offset, casting)
         y2 = y.reshape(-1, y.shape[-1])
-        out2 = F.linear(y2, weight, bias)
         z = mask = None
-        if lora_a is not None:
+        if lora_a is None:
+            out2 = F.linear(y2, weight, bias)
+        else:
             lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
             mask = dropout_mask(y2, lora_dropout)
-            z = low_rank_add_(out2, y2, lr, mask)
+            out2, z = low_rank_linear(y2, weight, bias, lr, mask)
             ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         # A 2-D GEMM, then an untracked reshape: the output must not be a view (the rotary
         # embedding rotates the q/k/v projection output in place, which autograd forbids on views).
@@ -111,12 +112,13 @@ class RMSNormLinearFunction(torch.autograd.Function):
         if dout is None:  # only h was used downstream: the projection contributes nothing
             return (dh, dh) + (None,) * 12
         d2 = dout.reshape(-1, dout.shape[-1])
-        dy = dout.matmul(weight)
         dw = dla = dlb = None
-        if lora_a is not None:
+        if lora_a is None:
+            dy = dout.matmul(weight)
+        else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
             dz, dlb = low_rank_backward(d2, lr, z, needs_lb)
-            add_low_rank_input_grad_(dy.view(-1, dy.shape[-1]), dz, lr, mask)
+            dy = low_rank_input_grad(d2, weight, dz, lr, mask).view(*dout.shape[:-1], weight.shape[1])
         if needs_w or (lora_a is not None and needs_la):
             # the norm output: kept from forward, or written again
             y = kept if kept is not None else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]

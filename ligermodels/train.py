@@ -67,12 +67,12 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from checkpoints_tools import CheckpointError, load_hf, read_config, resolve, save_hf_state
@@ -99,7 +99,7 @@ class TrainError(RuntimeError):
 #: Defaults shared by every run; then those of the demo or of a run on ``--model`` / ``--data``.
 COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1, max_grad_norm=1.0,
                        seed=0, ac="none", keep_checkpoints=3, resume=False, overwrite=False,
-                       from_scratch=False, loss_strategy="tokens", profile=False,
+                       from_scratch=False, loss_strategy="auto", profile=False,
                        attention="documents", lora_rank=0, lora_alpha=16.0, lora_dropout=0.0,
                        lora_targets="q,k,v,o,gate,up,down", merge=False, compile=False,
                        reshard_after_forward="default", prefetch=0)
@@ -139,9 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--overwrite", action="store_true", default=None, help="delete a previous run's checkpoints/metrics in --out")
     a("--ac", choices=("none", "full", "selective"),
       help="activation checkpointing per layer: full recomputes the layer; selective keeps matmul/attention outputs")
-    a("--loss-strategy", choices=("tokens", "vocab"),
+    a("--loss-strategy", choices=("auto", "tokens", "vocab"),
       help="loss head (kernels.fused_linear_cross_entropy): tokens = fastest; vocab = one more GEMM, "
-           "no fp32 (vocab, hidden) weight-gradient buffer (less memory for large vocabularies)")
+           "no fp32 (vocab, hidden) weight-gradient buffer (less memory for large vocabularies); "
+           "auto (default) = vocab where that buffer would reach 1.5 GiB and the head is trained, else tokens"),
     a("--lora-rank", type=int, help="LoRA: train rank-R adapters on the frozen base (0: full fine-tuning); "
                                     "OUT/final is then the adapter in PEFT's format")
     a("--lora-alpha", type=float, help="LoRA scale numerator: the adapters' output is scaled by alpha / rank")
@@ -494,11 +495,13 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
                 host = load_hf(inputs.weights_dir, dtype=torch.float32, device="cpu")
             else:
                 torch.manual_seed(args.seed)
-                host = inputs.cls(inputs.config).init_weights()
+                with torch.device(init_device(inputs.config, device)):
+                    host = inputs.cls(inputs.config).init_weights()
             if args.lora_rank:  # the adapters' init (A random, B zero) drawn here, once, from --seed
                 torch.manual_seed(args.seed)
                 add_lora(host, **lora_options(args))
             full_state = host.state_dict()
+            del host
         except (CheckpointError, UnsupportedConfigError) as e:
             error = str(e)
     errors = [error]
@@ -528,9 +531,51 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
     if world > 1:
         shard(model, args, world, device)
     model.to_empty(device=device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    load_full_state(model, full_state, rank, world, device)
     model.init_buffers()
     return model.train()
+
+
+def init_device(config: DecoderConfig, device: torch.device) -> torch.device:
+    """Where rank 0 draws a from-scratch init: the GPU when the fp32 model takes at most half its free memory
+    (2.5B parameters: seconds there against about half a minute on the host), else the host. The numbers
+    differ between the two (each has its own generator), but not with the number of ranks."""
+    if device.type == "cuda" and 4 * config.num_params() <= torch.cuda.mem_get_info(device)[0] // 2:
+        return device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def load_full_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor], rank: int, world: int,
+                    device: torch.device) -> None:
+    """Rank 0's full state dict (host or device tensors) into every rank's model (FSDP2 shards or whole
+    tensors), one tensor at a time: each is cast to the parameter's dtype on ``device``, broadcast from rank 0
+    and copied into the local shard. So the device holds one full tensor beyond the model at any moment;
+    ``set_model_state_dict(..., broadcast_from_rank0=True)`` kept every received full tensor until the end,
+    a whole fp32 copy of the model (30 GB at 7.6B parameters, the peak of a LoRA run on one H100).
+
+    ``full_state``'s keys must be those of ``model.state_dict()`` (rank 0 checks; other ranks pass {})."""
+    targets = model.state_dict(keep_vars=True)
+    error = None
+    if rank == 0 and set(full_state) != set(targets):
+        missing, extra = sorted(set(targets) - set(full_state)), sorted(set(full_state) - set(targets))
+        error = f"the initial weights do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}"
+    errors = [error]
+    if world > 1:
+        dist.broadcast_object_list(errors, src=0)  # every rank stops, none waits in a broadcast
+    if errors[0]:
+        raise TrainError(errors[0])
+    for name, target in targets.items():
+        if rank == 0:
+            full = full_state[name].to(device=device, dtype=target.dtype)
+        else:
+            full = torch.empty(target.shape, dtype=target.dtype, device=device)
+        if world > 1:
+            dist.broadcast(full, src=0)
+        if isinstance(target, DTensor):
+            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.copy_(full)
+        del full
 
 
 def shard(model: CausalLM, args: argparse.Namespace, world: int, device: torch.device) -> None:
@@ -579,6 +624,22 @@ def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> Ad
     return optimizer
 
 
+#: ``--loss-strategy auto`` picks "vocab" from this size of the "tokens" strategy's fp32 (V, H) weight-gradient
+#: buffer on: 1.95 GiB at Gemma's 256k x 2048, 1.96 at Llama-3-8B; Qwen2-1.5B's is 0.87, Llama-3.2-1B's 0.98.
+#: The buffer lives from the loss head's forward, where every layer's activations are alive, to its backward;
+#: "vocab" costs one more head GEMM instead (gemma-2b b4 on an H100: 1.0 GB less at the peak, 4% slower).
+AUTO_VOCAB_BYTES = 1.5 * 2**30
+
+
+def loss_strategy(args: argparse.Namespace, config: DecoderConfig) -> str:
+    """The loss head's strategy for ``--loss-strategy`` (``auto``: see :data:`AUTO_VOCAB_BYTES`); LoRA freezes
+    the head, which then has no weight-gradient buffer and takes "tokens"."""
+    if args.loss_strategy != "auto":
+        return args.loss_strategy
+    buffer = 4 * config.vocab_size * config.hidden_size
+    return "vocab" if buffer >= AUTO_VOCAB_BYTES and not args.lora_rank else "tokens"
+
+
 def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
                      num_items: torch.Tensor, args: argparse.Namespace, world: int, device: torch.device
                      ) -> torch.Tensor:
@@ -588,7 +649,7 @@ def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Ten
     documents = Documents.from_positions(positions).to(device) if args.attention == "documents" else None
     input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
     loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions, document_ids=documents,
-                      strategy=args.loss_strategy)
+                      strategy=loss_strategy(args, model.config))
     (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
     return loss.detach()
 
@@ -768,6 +829,58 @@ class Progress:
         sys.stdout.flush()
 
 
+def memory_at_peak(events: list[dict], base_bytes: int, top: int = 25
+                   ) -> tuple[int, str, list[tuple[str, int, int]]]:
+    """Where the allocated memory sits at its peak, from a CUDA caching-allocator trace
+    (``torch.cuda.memory._snapshot()["device_traces"][i]``: events with ``action``, ``addr``, ``size`` and
+    the allocating Python ``frames``, innermost first) recorded from a moment ``base_bytes`` were allocated.
+
+    Replays ``alloc`` / ``free_completed``; returns (peak bytes, base included; the site of the allocation
+    that reached it; the live allocations at that moment grouped by site: [(site, bytes, count)], largest
+    first, ``top`` of them). A site is the innermost
+    frame in this package (``ligermodels/``, ``kernels/``), with the innermost frame overall after ``<-`` when
+    it lies elsewhere (torch); tensors allocated before the trace started are one line of their own."""
+    live: dict[int, tuple[int, str]] = {}
+    before = total = peak = before_at_peak = base_bytes  # ``before``: what is left of the base
+    at_peak: dict[int, tuple[int, str]] = {}
+    peak_site = "(no allocation in the trace)"
+    for e in events:
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = (e["size"], _alloc_site(e.get("frames") or []))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak, before_at_peak = total, dict(live), before
+                peak_site = live[e["addr"]][1]
+        elif action == "free_completed":
+            if e["addr"] in live:
+                total -= live.pop(e["addr"])[0]
+            else:  # allocated before the trace began
+                total -= e["size"]
+                before -= e["size"]
+    sites: dict[str, list[int]] = {}
+    for size, site in at_peak.values():
+        entry = sites.setdefault(site, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    rows = [(site, b, n) for site, (b, n) in sorted(sites.items(), key=lambda kv: -kv[1][0])]
+    rows = [("allocated before the profiled steps (weights, optimiser state, ...)", before_at_peak, 0)] + rows[:top]
+    return peak, peak_site, rows
+
+
+def _alloc_site(frames: list[dict]) -> str:
+    """``file:line function`` of the innermost frame in this package (``<-`` the innermost overall if elsewhere)."""
+    def name(f):
+        path = f.get("filename", "?")
+        short = "/".join(path.split(os.sep)[-2:])
+        return f"{short}:{f.get('line', '?')} {f.get('name', '?')}"
+
+    ours = next((f for f in frames if re.search(r"[/\\](ligermodels|kernels)[/\\]", f.get("filename", ""))), None)
+    if ours is None:
+        return name(frames[0]) if frames else "(no Python frame)"
+    return name(ours) if ours is frames[0] else f"{name(ours)} <- {name(frames[0])}"
+
+
 def union_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of ``(start, end)`` intervals: the time at least one of them runs."""
     total, reach = 0.0, -math.inf
@@ -810,6 +923,7 @@ class StepProfiler:
         first = min(first, max(0, steps - count))
         self.steps = range(first + 1, min(first + count, steps) + 1) if enabled else range(0)
         self.prof, self.t0 = None, 0.0
+        self.mem_base: int | None = None  # CUDA: bytes allocated when the profiled steps began
 
     def before(self, step: int, device: torch.device) -> None:
         """Called before step ``step`` (1-based) starts."""
@@ -820,6 +934,8 @@ class StepProfiler:
             self.prof = profile(activities=activities, with_stack=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+                self.mem_base = torch.cuda.memory_allocated(device)
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             self.prof.__enter__()
             self.t0 = time.perf_counter()
 
@@ -833,8 +949,20 @@ class StepProfiler:
             return
         wall_ms = (time.perf_counter() - self.t0) * 1e3 / len(self.steps)
         self.prof.__exit__(None, None, None)
+        memory = None
+        if self.mem_base is not None:
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            index = torch.cuda.current_device()
+            traces = snapshot.get("device_traces") or []
+            memory = memory_at_peak(traces[index] if index < len(traces) else [], self.mem_base)
         if rank == 0:
             timeline = self.timeline(wall_ms)
+            if memory is not None:
+                timeline["memory_peak_gb"] = round(memory[0] / 1e9, 3)
+                timeline["memory_peak_reached_at"] = memory[1]
+                timeline["memory_at_peak"] = [{"site": site, "gb": round(b / 1e9, 3), "tensors": n}
+                                              for site, b, n in memory[2]]
             with open(path, "w") as f:
                 f.write(self.report(wall_ms, timeline))
             with open(os.path.splitext(path)[0] + ".json", "w") as f:
@@ -911,6 +1039,11 @@ class StepProfiler:
                 entry[1] += 1
         for (name, *frames), (ms, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:12]:
             lines.append(f"{ms:9.3f}  {count // n:6d}x  {name}  <- {' <- '.join(frames)}")
+        if "memory_at_peak" in timeline:
+            lines += ["", f"Allocated memory at its peak in the profiled steps: {timeline['memory_peak_gb']:.2f} GB, "
+                      f"reached by an allocation at {timeline['memory_peak_reached_at']}; live tensors by "
+                      "allocating site (GB, count):"]
+            lines += [f"{r['gb']:9.3f}  {r['tensors']:6d}  {r['site'][:150]}" for r in timeline["memory_at_peak"]]
         return "\n".join(lines) + "\n"
 
 
@@ -947,6 +1080,7 @@ def main(argv: list[str] | None = None) -> None:
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> None:
     """The whole run: checks, inputs, model, optimiser, resume, the loop, export."""
     say = print if rank == 0 else (lambda *a, **k: None)
+    t_start = time.perf_counter()
     # -- output directory, then the demo's generated inputs (written by rank 0 once all ranks checked)
     check_out_dir(args)
     dist.barrier()
@@ -1004,7 +1138,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     flops, peak = flops_per_token(c, args.seq_len), peak_flops(device, args.dtype)
     say(f"{c.model_type}: {c.num_params() / 1e6:.2f}M parameters, {c.num_layers} layers, hidden {c.hidden_size} | "
         f"{len(inputs.documents)} documents, {rows.epoch_len} tokens per epoch | {world} rank(s) on {device.type}, "
-        f"{args.dtype}, global batch {global_rows} x {args.seq_len} tokens | steps {step + 1}..{args.steps}")
+        f"{args.dtype}, global batch {global_rows} x {args.seq_len} tokens | steps {step + 1}..{args.steps} | "
+        f"loss head: {loss_strategy(args, c)} | ready after {time.perf_counter() - t_start:.1f} s")
 
     # -- the loop. The host reads a step's numbers (loss, gradient norm: a sync) only once the next step
     # is queued behind it, so the GPU never waits for the host between steps; a step due for a
@@ -1076,8 +1211,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     torch.set_num_threads(threads)
 
     # -- export, and the demo's completions
+    t_export = time.perf_counter()
     final = export_hf(model, inputs, args, rank)
-    say(f"wrote {final}")
+    say(f"wrote {final} in {time.perf_counter() - t_export:.1f} s")
     if args.demo and rank == 0:
         if args.lora_rank:  # the demo's base is random: it lives in OUT/merged only (parse_args asks --merge)
             plain = CausalLM.from_hf(os.path.join(args.out, "merged"), dtype=torch.float32)

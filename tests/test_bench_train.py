@@ -69,7 +69,7 @@ def test_lora_flags():
     args = bt.parse_args(["--out", "o", "--max-batch", "--runs", "qwen2-7b", "llama-1b:8"])
     assert args.lora and args.impls[0] == "ligermodels-lora" and args.runs == [("qwen2-7b", 1), ("llama-1b", 8)]
     args = bt.parse_args(["--out", "o"])  # the full fine-tuning runs as before
-    assert not args.lora and args.impls == list(bt.FULL_IMPLS) and args.runs == [("qwen2-1.5b", 4)]
+    assert not args.lora and args.impls == list(bt.DEFAULT_FULL_IMPLS) and args.runs == [("qwen2-1.5b", 4)]
 
 
 def test_train_commands():
@@ -87,6 +87,8 @@ def test_train_commands():
         [*head, "--from-scratch", *common, "--lr", "1e-05", *rest, "causal"]
     assert bt.train_command(args, "ligermodels-vocab", "m", "d", 8, "o") == \
         [*head, "--from-scratch", *common, "--lr", "1e-05", *rest, "documents", "--loss-strategy", "vocab"]
+    assert bt.train_command(args, "ligermodels-tokens", "m", "d", 8, "o")[-2:] == ["--loss-strategy", "tokens"]
+    assert "ligermodels-tokens" not in bt.DEFAULT_FULL_IMPLS and "bare" in bt.DEFAULT_FULL_IMPLS
     assert bt.train_command(args, "ligermodels-lora", "m", "d", 8, "o") == \
         [*head, *common, "--lr", "0.0001", *rest, "documents", "--lora-rank", "16", "--lora-alpha", "32.0",
          "--lora-dropout", "0.0", "--lora-targets", "q,k,v,o,gate,up,down"]

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from ligermodels import LigerLlama, document_ids_from_positions
 from ligermodels.blocks import MLP, RMSNorm
+from ligermodels.config import DecoderConfig
 from ligermodels.data import (
     IGNORE_INDEX,
     DataError,
@@ -50,8 +51,12 @@ from ligermodels.train import (
     check_out_dir,
     check_resume,
     exposed_us,
+    init_device,
+    load_full_state,
     load_inputs,
+    loss_strategy,
     lr_factor,
+    memory_at_peak,
     parse_args,
     union_us,
 )
@@ -555,7 +560,7 @@ def test_config_file_stands_for_flags(tmp_path):
                                "ac": "selective"}))
     args = parse_args(["--config", str(cfg), "--lr", "0.1"])
     assert (args.model, args.seq_len, args.lr, args.ac, args.grad_accum) == ("m", 16, 0.1, "selective", 1)
-    assert args.loss_strategy == "tokens"
+    assert args.loss_strategy == "auto"
     assert parse_args(["--config", str(cfg), "--loss-strategy", "vocab"]).loss_strategy == "vocab"
     cfg.write_text(json.dumps({"learning_rate": 1.0}))
     with pytest.raises(SystemExit):
@@ -939,3 +944,62 @@ def test_padding_or_truncation_saved_in_tokenizer_json_is_turned_off(tmp_path):
     loaded = load_tokenizer(str(tmp_path))
     assert loaded.encode("hello").ids == build_tokenizer().encode("hello").ids  # <s> h e l l o: not cut, not padded
     assert special_token_ids(loaded, str(tmp_path)) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
+
+
+def test_memory_at_peak_replays_the_allocator_trace():
+    """The peak of allocated memory and what is live then, grouped by the allocating site in this package;
+    frees of tensors allocated before the trace lower the base."""
+    ours = {"filename": "/x/ligermodels/blocks.py", "line": 7, "name": "forward"}
+    torch_frame = {"filename": "/y/torch/nn/functional.py", "line": 3, "name": "linear"}
+    kern = {"filename": "/x/kernels/glu.py", "line": 9, "name": "glu"}
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [torch_frame, ours]},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": [kern, ours]},
+        {"action": "free_completed", "addr": 99, "size": 30},  # from before the trace
+        {"action": "alloc", "addr": 3, "size": 40, "frames": [kern]},
+        {"action": "free_requested", "addr": 3, "size": 40},
+        {"action": "free_completed", "addr": 3, "size": 40},
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 4, "size": 60, "frames": [torch_frame]},
+    ]
+    peak, site, rows = memory_at_peak(events, base_bytes=1000)
+    assert peak == 1000 + 100 + 50 - 30 + 40  # 1160, reached by the third allocation
+    assert site == "kernels/glu.py:9 glu"
+    assert rows[0][1:] == (970, 0)
+    assert rows[1:] == [("ligermodels/blocks.py:7 forward <- nn/functional.py:3 linear", 100, 1),
+                        ("kernels/glu.py:9 glu", 90, 2)]
+
+
+@pytest.mark.parametrize("vocab, hidden, lora, expected", [
+    (256000, 2048, 0, "vocab"),  # Gemma: a 1.95 GiB fp32 (V, H) buffer
+    (128256, 4096, 0, "vocab"),  # Llama-3-8B
+    (151936, 1536, 0, "tokens"),  # Qwen2-1.5B: 0.87 GiB
+    (128256, 2048, 0, "tokens"),  # Llama-3.2-1B
+    (256000, 2048, 16, "tokens"),  # LoRA: the head is frozen, no weight-gradient buffer
+])
+def test_auto_loss_strategy_saves_the_head_buffer_only_where_it_is_large(vocab, hidden, lora, expected):
+    args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--lora-rank", str(lora)])
+    config = DecoderConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_layers=1,
+                           num_heads=8, num_kv_heads=8)
+    assert loss_strategy(args, config) == expected
+    args.loss_strategy = "tokens"
+    assert loss_strategy(args, config) == "tokens"  # a strategy asked for is kept
+
+
+def test_load_full_state_copies_every_tensor_and_names_a_mismatch():
+    """One rank: rank 0's full state lands in a model materialised empty; a state with another key set is refused
+    by name before any copy."""
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                           num_kv_heads=2)
+    torch.manual_seed(0)
+    source = LigerLlama(config).init_weights()
+    with torch.device("meta"):
+        target = LigerLlama(config)
+    target.to_empty(device="cpu")
+    load_full_state(target, source.state_dict(), rank=0, world=1, device=torch.device("cpu"))
+    for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    partial = {k: v for k, v in source.state_dict().items() if k != "norm.weight"}
+    with pytest.raises(TrainError, match="missing \\['norm.weight'\\]"):
+        load_full_state(target, partial, rank=0, world=1, device=torch.device("cpu"))
+    assert init_device(config, torch.device("cpu")) == torch.device("cpu")
