@@ -476,9 +476,9 @@ def lora_options(args: argparse.Namespace) -> dict:
 def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int, device: torch.device) -> CausalLM:
     """The model with fp32 weights: FSDP2-sharded over the ranks when there are several.
 
-    Rank 0 alone reads the checkpoint (or draws the from-scratch init from ``--seed``) on the host;
-    every rank builds the model on the meta device, shards it, allocates its shards and receives
-    them from rank 0. So the start is the same for any number of ranks, and host memory holds
+    Rank 0 alone reads the checkpoint on the host (or draws the from-scratch init from ``--seed``, on
+    :func:`init_device`); every rank builds the model on the meta device, shards it, allocates its shards
+    and receives them from rank 0, one tensor at a time (:func:`load_full_state`). So the start is the same for any number of ranks, and host memory holds
     one full copy, not one per rank.
 
     Several ranks: FSDP2 keeps the fp32 shards and computes in bf16 (each layer's weights cast as
