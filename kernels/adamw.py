@@ -1,10 +1,20 @@
-"""AdamW update: one Triton kernel per parameter tensor, reading each byte once.
+"""AdamW update: one Triton launch per group of parameter tensors, reading each byte once.
 
 ``AdamW`` is ``torch.optim.AdamW`` (same hyper-parameters, same state keys, so its state dict and
-checkpoints are interchangeable with torch's) whose ``step`` launches ``_adamw_kernel`` per
-parameter. Why: torch's fused AdamW ran at about 70% of the H100's copy bandwidth in our training
-profiles (16.5 ms of a 238 ms Gemma-2B step; benchmarks/results/profiles); an elementwise Triton
-kernel over large tensors runs near the copy bandwidth (the GLU kernels: 94-100%).
+checkpoints are interchangeable with torch's) whose ``step`` runs its own elementwise kernel. Why:
+torch's fused AdamW ran at about 70% of the H100's copy bandwidth in our training profiles (16.5 ms
+of a 238 ms Gemma-2B step; benchmarks/results/profiles); an elementwise Triton kernel over large
+tensors runs near the copy bandwidth (the GLU kernels: 94-100%).
+
+Multi-tensor apply: ``step`` launches ``_adamw_multi_kernel`` once per group of tensors that share a
+param group, device, dtypes and master-or-not, not ``_adamw_kernel`` once per tensor. Why: a launch
+costs the host tens of microseconds (Python and Triton's launcher), and a LoRA step's 224 small
+adapter tensors kept the GPU idle for 10-20 ms of host time a step. The kernel finds its tensors
+through int64 address tables: those of the parameters, moments, masters and step counts are kept on
+the device between steps (rebuilt when an address changes), the gradients' are copied each step
+from pinned memory. Both kernels share the arithmetic (``_adamw_block``), so the results are the same
+bits. Inside a CUDA-graph capture ``step`` launches per tensor (no table copies to capture; a replay
+pays no launch cost anyway). ``adamw_update_`` updates one tensor.
 
 Per element, in fp32, rounded once to each tensor's dtype (torch's decoupled weight decay):
 
@@ -38,6 +48,7 @@ tensors without ``TRITON_INTERPRET=1``), ``step`` is torch's own AdamW, the refe
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -51,14 +62,12 @@ _WARPS = 8
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, n, beta1, beta2, log2_beta1,
-                  log2_beta2, eps, weight_decay, LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr,
-                  SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """One BLOCK of one parameter: the AdamW update of p (with MASTER: of the fp32 master held as bf16 p
-    and its int16 low bits), m (exp_avg), v (exp_avg_sq) in place; with SCALE, g is multiplied by
-    ``*scale_ptr`` first."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _adamw_block(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, offs, mask, beta1, beta2,
+                 log2_beta1, log2_beta2, eps, weight_decay, LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr,
+                 SCALE: tl.constexpr):
+    """The update of the elements ``offs`` (where ``mask``) of one parameter: p (with MASTER: the fp32 master
+    held as bf16 p and its int16 low bits), m (exp_avg), v (exp_avg_sq) in place; with SCALE, g is
+    multiplied by ``*scale_ptr`` first. The arithmetic of both kernels, written once."""
     t = tl.load(step_ptr).to(tl.float32)  # already incremented for this step
     if LR_ON_DEVICE:
         lr = tl.load(lr_ptr).to(tl.float32)
@@ -90,6 +99,44 @@ def _adamw_kernel(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_pt
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, n, beta1, beta2, log2_beta1,
+                  log2_beta2, eps, weight_decay, LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr,
+                  SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One BLOCK of one parameter (``adamw_update_``)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _adamw_block(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, offs, offs < n, beta1, beta2,
+                 log2_beta1, log2_beta2, eps, weight_decay, LR_ON_DEVICE, MASTER, SCALE)
+
+
+@triton.jit
+def _adamw_multi_kernel(table_ptr, g_table_ptr, programs_ptr, n_programs, lr_ptr, scale_ptr, lr, beta1, beta2,
+                        log2_beta1, log2_beta2, eps, weight_decay, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                        M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, STEP_DTYPE: tl.constexpr,
+                        LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One BLOCK of one tensor of a group (``AdamW.step``). ``table_ptr``: int64 (tensors, 6), per tensor the
+    addresses of p, master_lo (p's without a master), exp_avg, exp_avg_sq, step, then its element count;
+    ``g_table_ptr``: int64 gradient addresses; ``programs_ptr``: int32 (2, n_programs), per program its
+    tensor's row in the tables and its block in that tensor."""
+    pid = tl.program_id(0)
+    i = tl.load(programs_ptr + pid).to(tl.int64)
+    block = tl.load(programs_ptr + n_programs + pid).to(tl.int64)
+    row = table_ptr + i * 6
+    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE), bitcast=True)
+    if MASTER:
+        lo_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16), bitcast=True)
+    else:
+        lo_ptr = p_ptr
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(M_DTYPE), bitcast=True)
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(V_DTYPE), bitcast=True)
+    step_ptr = tl.load(row + 4).to(tl.pointer_type(STEP_DTYPE), bitcast=True)
+    n = tl.load(row + 5)
+    g_ptr = tl.load(g_table_ptr + i).to(tl.pointer_type(G_DTYPE), bitcast=True)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    _adamw_block(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, offs, offs < n, beta1, beta2,
+                 log2_beta1, log2_beta2, eps, weight_decay, LR_ON_DEVICE, MASTER, SCALE)
 
 
 def join_master(param: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -205,8 +252,33 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         num_warps=_WARPS)
 
 
+#: torch -> Triton dtypes of the tensors the multi-tensor kernel addresses through its tables.
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+              torch.float64: tl.float64}
+
+
+class _Tables:
+    """The device tables of one launch group that do not change between steps: ``table`` (int64, tensors x 6:
+    the addresses of p, master_lo, exp_avg, exp_avg_sq, step, and the element count) and ``programs`` (int32,
+    2 x programs: each program's tensor and block within it), built from ``ptrs`` (``table`` flat)."""
+
+    def __init__(self, ptrs: list[int], table: torch.Tensor, programs: torch.Tensor, n_programs: int):
+        self.ptrs, self.table, self.programs, self.n_programs = ptrs, table, programs, n_programs
+
+    @classmethod
+    def build(cls, ptrs: list[int], device: torch.device) -> _Tables:
+        table = torch.tensor(ptrs, dtype=torch.int64).view(-1, 6)
+        blocks = (table[:, 5] + _BLOCK - 1) // _BLOCK
+        tensor = torch.repeat_interleave(torch.arange(len(table)), blocks)
+        first = torch.cumsum(blocks, 0) - blocks  # each tensor's first program
+        programs = torch.stack([tensor, torch.arange(len(tensor)) - first[tensor]]).to(torch.int32)
+        pin = device.type == "cuda"
+        table, programs = (t.pin_memory() if pin else t for t in (table, programs))
+        return cls(ptrs, table.to(device, non_blocking=True), programs.to(device, non_blocking=True), len(tensor))
+
+
 class AdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` whose step runs ``_adamw_kernel`` (one launch per parameter, no host sync).
+    """``torch.optim.AdamW`` whose step runs the Triton update (one launch per group of tensors, no host sync).
 
     Args as ``torch.optim.AdamW``: ``params``, ``lr`` (float or 0-dim tensor), ``betas``, ``eps``,
     ``weight_decay``, ``capturable``. Refused: ``amsgrad``, ``maximize``, ``foreach``, ``fused``,
@@ -233,6 +305,7 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError(f"kernels.AdamW(master_weights=True) keeps fp32 masters of bf16 parameters only; "
                                  f"got {other}")
         self._grad_scale: torch.Tensor | None = None  # set by clip_grad_norm_, used by the next step
+        self._tables: dict[tuple, _Tables] = {}  # launch group -> its device tables (see _launch)
 
     # ------------------------------------------------------------------------------ mixed precision
     def _params(self) -> list[torch.Tensor]:
@@ -344,7 +417,7 @@ class AdamW(torch.optim.AdamW):
 
     # ------------------------------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -361,16 +434,59 @@ class AdamW(torch.optim.AdamW):
             for p in group["params"]:
                 if self._grad(p) is not None:
                     _check_layout(p, self._grad(p), self.state.get(p, {}))
+                    lr = group["lr"]
+                    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != _local(p).device:
+                        raise ValueError(f"kernels.AdamW: the lr tensor is on {lr.device}, the parameter on "
+                                         f"{_local(p).device}; put the lr on the parameters' device")
+        capturing = bool(with_grad) and with_grad[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        index = {id(group): i for i, group in enumerate(self.param_groups)}
+        launches: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}  # launch group -> (p, lo, g, m, v, step) each
+        groups: dict[int, tuple[dict, float | torch.Tensor]] = {}
         for group, params in self._prepare(with_grad):
             lr = self._lr(group, params)
+            groups[index[id(group)]] = group, lr
             beta1, beta2 = group["betas"]
             for p in params:
                 state, grad = self.state[p], self._grad(p)
                 grad = grad if grad.stride() == p.stride() else torch.empty_like(p, dtype=grad.dtype).copy_(grad)
-                adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
-                              group["eps"], group["weight_decay"], master_lo=state.get("master_lo"),
-                              grad_scale=scale)
+                lo = state.get("master_lo")
+                tensors = tuple(_local(t) for t in (p, lo if lo is not None else p, grad, state["exp_avg"],
+                                                    state["exp_avg_sq"], state["step"]))
+                if tensors[0].numel() == 0:
+                    continue
+                dtypes = tuple(_TL_DTYPES.get(t.dtype) for t in tensors[2:] + tensors[:1])
+                if capturing or None in dtypes:  # see the module docstring (CUDA graphs); dtypes Triton lacks
+                    adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
+                                  group["eps"], group["weight_decay"], master_lo=lo, grad_scale=scale)
+                    continue
+                launches.setdefault((index[id(group)], tensors[0].device, lo is not None, *dtypes), []).append(tensors)
+        for key, tensors in launches.items():
+            self._launch(key, tensors, *groups[key[0]], scale)
         return loss
+
+    def _launch(self, key: tuple, tensors: list[tuple[torch.Tensor, ...]], group: dict, lr: float | torch.Tensor,
+                scale: torch.Tensor | None) -> None:
+        """One ``_adamw_multi_kernel`` launch over ``tensors`` ((p, lo, g, m, v, step) each, local shards, one
+        param group, device and set of dtypes). Parameter, moment and step addresses stay put between steps,
+        so their table (and the per-program table) is kept and rebuilt only when one of them changes (a
+        storage replaced, a parameter without a gradient this step); the gradient table is built each step,
+        copied from pinned memory without a host sync."""
+        _, device, master, g_dtype, m_dtype, v_dtype, step_dtype, p_dtype = key
+        ptrs = [x for p, lo, _, m, v, step in tensors
+                for x in (p.data_ptr(), lo.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr(), p.numel())]
+        tables = self._tables.get(key)
+        if tables is None or tables.ptrs != ptrs:
+            tables = self._tables[key] = _Tables.build(ptrs, device)
+        g_table = torch.tensor([t[2].data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
+        g_table = g_table.to(device, non_blocking=True)
+        beta1, beta2 = group["betas"]
+        on_device = isinstance(lr, torch.Tensor)
+        _adamw_multi_kernel[(tables.n_programs,)](
+            tables.table, g_table, tables.programs, tables.n_programs, lr if on_device else g_table,
+            g_table if scale is None else scale, 0.0 if on_device else float(lr), beta1, beta2, _log2(beta1),
+            _log2(beta2), group["eps"], group["weight_decay"], P_DTYPE=p_dtype, G_DTYPE=g_dtype, M_DTYPE=m_dtype,
+            V_DTYPE=v_dtype, STEP_DTYPE=step_dtype, LR_ON_DEVICE=on_device, MASTER=master, SCALE=scale is not None,
+            BLOCK=_BLOCK, num_warps=_WARPS)
 
     def _init_state(self, p: torch.Tensor) -> None:
         """torch's layout: step on the device (as with capturable), moments like p (fp32 for a master's)."""

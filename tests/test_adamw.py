@@ -287,3 +287,140 @@ def test_a_state_dict_round_trip_keeps_the_fp32_masters_and_moments():
     for k in ("master_lo", "exp_avg", "exp_avg_sq"):
         assert other.state[q][k].dtype == saved[k].dtype != torch.bfloat16 and torch.equal(other.state[q][k], saved[k])
     assert torch.equal(other.master_params()[q], opt.master_params()[p])
+
+
+# ------------------------------------------------------------------------------ multi-tensor step
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of ``t`` (-0.0 and 0.0 differ; NaNs compare)."""
+    return t.detach().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _mixed_params():
+    """(parameter, fp32 master or None, param group) of every kind the multi-tensor step groups: fp32 without a
+    master and bf16 with one, odd sizes, empty, under and over one block, a transpose; two param groups."""
+    from kernels.adamw import _BLOCK
+
+    shapes = [(37, 53), (1000,), (0,), (5,), (3, 5, 777), (_BLOCK + 1,), "t"]
+    out = []
+    for group in (0, 1):
+        for dtype in (torch.float32, torch.bfloat16):
+            for k, shape in enumerate(shapes):
+                seed = 100 * group + 10 * k + (dtype == torch.bfloat16)
+                w = randn(7, 9, seed=seed).t() if shape == "t" else randn(*shape, seed=seed)  # (9, 7), strides (1, 9)
+                p = torch.nn.Parameter(w.clone().to(dtype))  # .to keeps the transpose's strides
+                out.append((p, w if dtype == torch.bfloat16 else None, group))
+    return out
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_the_multi_tensor_step_equals_per_tensor_updates_bit_for_bit(clip):
+    """AdamW.step (one launch per group of tensors) against adamw_update_ on each tensor, over steps where some
+    parameters have no gradient, a gradient's strides differ from its parameter's, and bf16 gradients are
+    accumulated in fp32; lr a float in one param group, a device tensor in the other."""
+    from kernels.adamw import adamw_update_
+
+    params = _mixed_params()
+    assert_triton_runs(params[0][0])
+    lrs, wds = (LR, torch.tensor(0.01, device=DEVICE)), (WD, 0.0)
+    groups = [{"params": [p for p, _, g in params if g == i], "lr": lrs[i], "weight_decay": wds[i]} for i in (0, 1)]
+    opt = AdamW(groups, betas=BETAS, eps=EPS, master_weights=True)
+    opt.load_masters_({p: w for p, w, _ in params if w is not None})
+    ref = []  # per parameter: [p, master_lo, exp_avg, exp_avg_sq, step], stepped by adamw_update_
+    for p, w, _ in params:
+        moments = torch.float32 if w is not None else p.dtype
+        ref.append([p.detach().clone(), opt._master_lo(p).clone() if w is not None else None,
+                    torch.zeros_like(p, dtype=moments), torch.zeros_like(p, dtype=moments),
+                    torch.zeros((), device=DEVICE)])
+    for step in range(4):
+        grads = [None if (step == 1 and k % 3 == 0) else randn(*p.shape, seed=1000 * step + k, scale=3.0).to(p.dtype)
+                 for k, (p, _, _) in enumerate(params)]
+        if step == 2:  # a gradient in another layout than its transposed parameter's: copied
+            grads = [g.contiguous() if g is not None else None for g in grads]
+        for (p, _, _), g in zip(params, grads, strict=True):
+            p.grad = g
+        if step == 3:  # two micro-batches: the bf16 parameters' gradients summed in fp32 (another grad dtype)
+            opt.accumulate_grads_()
+            for (p, _, _), g in zip(params, grads, strict=True):
+                p.grad = g
+            opt.accumulate_grads_()
+            grads = [opt._grad(p) for p, _, _ in params]  # every parameter has one at this step
+        if clip:
+            opt.clip_grad_norm_(1.0)
+        scale = opt._grad_scale
+        for (_, _, i), g, (rp, lo, m, v, t) in zip(params, grads, ref, strict=True):
+            if g is None:
+                continue
+            t += 1
+            g = g if g.stride() == rp.stride() else torch.empty_like(rp, dtype=g.dtype).copy_(g)
+            adamw_update_(rp, g, m, v, t, lrs[i], *BETAS, EPS, wds[i], master_lo=lo, grad_scale=scale)
+        opt.step()
+        opt.zero_grad()
+        for k, ((p, _, _), (rp, lo, m, v, t)) in enumerate(zip(params, ref, strict=True)):
+            state = opt.state[p]
+            assert torch.equal(_bits(p), _bits(rp)), f"step {step}, parameter {k}: p differs"
+            assert torch.equal(_bits(state["exp_avg"]), _bits(m)) and torch.equal(_bits(state["exp_avg_sq"]), _bits(v))
+            assert torch.equal(state["step"], t)
+            if lo is not None:
+                assert torch.equal(state["master_lo"], lo), f"step {step}, parameter {k}: master_lo differs"
+    assert all(rel_err(p, w.to(p.dtype)) > 1e-3 for p, w, _ in params if w is not None and p.numel())  # they moved
+
+
+class _CountingLaunches:
+    """Stands in for a Triton kernel: counts launches and runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_a_step_launches_one_kernel_per_group_of_tensors(monkeypatch):
+    """Groups: param group x (fp32 without a master, bf16 with one); parameters without a gradient or without
+    elements add none."""
+    import kernels.adamw as adamw
+
+    multi = _CountingLaunches(adamw._adamw_multi_kernel)
+    single = _CountingLaunches(adamw._adamw_kernel)
+    monkeypatch.setattr(adamw, "_adamw_multi_kernel", multi)
+    monkeypatch.setattr(adamw, "_adamw_kernel", single)
+    params = _mixed_params()
+    assert_triton_runs(params[0][0])
+    groups = [{"params": [p for p, _, g in params if g == i], "weight_decay": (WD, 0.0)[i]} for i in (0, 1)]
+    opt = AdamW(groups, lr=LR, master_weights=True)
+    for step, expected in enumerate((4, 4, 2)):
+        for k, (p, _, group) in enumerate(params):
+            p.grad = None if step == 2 and group == 1 else randn(*p.shape, seed=k).to(p.dtype)
+        before = multi.launches
+        opt.step()
+        assert multi.launches - before == expected and single.launches == 0
+
+
+def test_a_replaced_parameter_storage_rebuilds_the_cached_tables():
+    from kernels.adamw import adamw_update_
+
+    params = [torch.nn.Parameter(randn(300, seed=s)) for s in range(3)]
+    assert_triton_runs(params[0])
+    opt = AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    grads = [randn(300, seed=10 + s) for s in range(3)]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    opt.step()
+    (tables,) = opt._tables.values()
+    old = params[1].data
+    params[1].data = randn(300, seed=7)  # a new storage (as init_master_weights_ or a checkpoint load may do)
+    expected = params[1].detach().clone()
+    state = opt.state[params[1]]
+    m, v, t = state["exp_avg"].clone(), state["exp_avg_sq"].clone(), state["step"] + 1
+    adamw_update_(expected, grads[1], m, v, t, LR, *BETAS, EPS, WD)
+    old_before = old.clone()
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    opt.step()
+    (rebuilt,) = opt._tables.values()
+    assert rebuilt is not tables and rebuilt.ptrs != tables.ptrs
+    assert torch.equal(old, old_before), "the step wrote into the replaced storage"
+    assert torch.equal(_bits(params[1]), _bits(expected))
+    opt.step()
+    assert next(iter(opt._tables.values())) is rebuilt, "nothing was replaced: the tables are kept"
