@@ -478,8 +478,8 @@ def build_model(inputs: Inputs, args: argparse.Namespace, rank: int, world: int,
 
     Rank 0 alone reads the checkpoint on the host (or draws the from-scratch init from ``--seed``, on
     :func:`init_device`); every rank builds the model on the meta device, shards it, allocates its shards
-    and receives them from rank 0, one tensor at a time (:func:`load_full_state`). So the start is the same for any number of ranks, and host memory holds
-    one full copy, not one per rank.
+    and receives them from rank 0, one tensor at a time (:func:`load_full_state`). So the start is the same
+    for any number of ranks, and host memory holds at most one full copy, not one per rank.
 
     Several ranks: FSDP2 keeps the fp32 shards and computes in bf16 (each layer's weights cast as
     they are gathered, gradients reduced in fp32). One rank has nothing to shard or reduce: the
