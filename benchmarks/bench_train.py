@@ -37,8 +37,8 @@ the loop's upper bound.
     python -m benchmarks.bench_train --out /tmp/bt --runs qwen2-1.5b:4 --impls ligermodels --profile
 
 Writes ``results/train-<gpu>-<date><tag>.json`` (the README reads each shape from its newest file).
-``--profile`` adds ligermodels.train's own ``--profile`` table (GPU time per category, host gaps)
-under ``results/profiles``.
+``--profile`` adds ligermodels.train's own ``--profile`` table (GPU time per category, host gaps, memory at
+the peak) under ``results/profiles``; the profiled steps are left out of the median.
 
 LoRA (``--lora``, or names of :data:`LORA_IMPLS` in ``--impls``; never mixed with the runs above): rank 16,
 alpha 32, dropout 0 on all seven projections (q, k, v, o, gate, up, down), the frozen base in bf16, the
@@ -221,9 +221,16 @@ def run_ligermodels(args, impl: str, model_dir: str, data: str, batch: int, out:
         return {"error": res.stderr[-2000:], "oom": "out of GPU memory" in res.stderr, "wall_s": round(wall, 1)}
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
-    row = summarize([batch * args.seq / m["tokens_per_s"] for m in metrics], [m["loss"] for m in metrics],
+    profiled = set()
+    if profile and os.path.isfile(os.path.join(out, "profile.json")):  # the profiled steps are not timed
+        with open(os.path.join(out, "profile.json")) as f:
+            profiled = set(json.load(f)["steps"])
+    timed = [m for m in metrics if m["step"] not in profiled]
+    row = summarize([batch * args.seq / m["tokens_per_s"] for m in timed], [m["loss"] for m in metrics],
                     max(m["peak_mem_gb"] for m in metrics), batch * args.seq, args.warmup)
     row["wall_s"] = round(wall, 1)
+    if profiled:
+        row["steps_profiled"] = sorted(profiled)
     if profile and os.path.isfile(os.path.join(out, "profile.txt")):
         with open(os.path.join(out, "profile.txt")) as f:
             row["profile"] = f.read()

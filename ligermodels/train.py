@@ -1161,9 +1161,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         nonlocal t_read
         done, stats, lr = pending.pop(0)
         loss_v, tokens_v, norm_v = stats.tolist()  # the sync
+        profiler.after(done, os.path.join(args.out, "profile.txt"), rank)  # (its seconds go to this step, profiled)
         now = time.perf_counter()
         dt, t_read = now - t_read, now
-        profiler.after(done, os.path.join(args.out, "profile.txt"), rank)
         m = {"step": done, "loss": loss_v, "lr": lr, "grad_norm": norm_v, "tokens": int(tokens_v),
              "tokens_per_s": tokens_per_step / dt,
              "mfu": None if peak is None else flops * tokens_per_step / dt / (peak * world),
