@@ -6,10 +6,11 @@ torch's fused AdamW ran at about 70% of the H100's copy bandwidth in our trainin
 of a 238 ms Gemma-2B step; benchmarks/results/profiles); an elementwise Triton kernel over large
 tensors runs near the copy bandwidth (the GLU kernels: 94-100%).
 
-Multi-tensor apply: ``step`` launches ``_adamw_multi_kernel`` once per group of tensors that share a
-param group, device, dtypes and master-or-not, not ``_adamw_kernel`` once per tensor. Why: a launch
+Multi-tensor apply: ``step`` launches ``_adamw_multi_kernel`` once per group of small tensors that share
+a param group, device, dtypes and master-or-not, not ``_adamw_kernel`` once per tensor. Why: a launch
 costs the host tens of microseconds (Python and Triton's launcher), and a LoRA step's 224 small
-adapter tensors kept the GPU idle for 10-20 ms of host time a step. The kernel finds its tensors
+adapter tensors kept the GPU idle for 10-20 ms of host time a step. Tensors above
+``MULTI_TENSOR_MAX_NUMEL`` keep their own launch, whose loads are vectorized (see there). The kernel finds its tensors
 through int64 address tables: those of the parameters, moments, masters and step counts are kept on
 the device between steps (rebuilt when an address changes), the gradients' are copied each step
 from pinned memory. Both kernels share the arithmetic (``_adamw_block``), so the results are the same
@@ -58,6 +59,12 @@ from kernels._common import use_triton
 
 #: Elements per program and warps: 16 elements a thread (as the GLU kernels).
 _BLOCK = 4096
+#: Tensors up to this many elements share a launch of ``_adamw_multi_kernel``; a larger one gets its own
+#: ``_adamw_kernel`` launch. Triton specializes that kernel's pointer and size arguments on 16-byte alignment,
+#: so its loads and stores are vectorized; the multi-tensor kernel reads its addresses from a table and cannot
+#: know them aligned. For every tensor in it, Qwen2-1.5B's fp32-master step took 48.7 ms against 13.9 (H100,
+#: benchmarks/results/profiles); at this size a tensor's update (24 MB moved, ~10 us) outweighs its launch.
+MULTI_TENSOR_MAX_NUMEL = 1 << 20
 _WARPS = 8
 
 
@@ -455,7 +462,7 @@ class AdamW(torch.optim.AdamW):
                 if tensors[0].numel() == 0:
                     continue
                 dtypes = tuple(_TL_DTYPES.get(t.dtype) for t in tensors[2:] + tensors[:1])
-                if capturing or None in dtypes:  # see the module docstring (CUDA graphs); dtypes Triton lacks
+                if capturing or None in dtypes or tensors[0].numel() > MULTI_TENSOR_MAX_NUMEL:
                     adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
                                   group["eps"], group["weight_decay"], master_lo=lo, grad_scale=scale)
                     continue

@@ -397,6 +397,31 @@ def test_a_step_launches_one_kernel_per_group_of_tensors(monkeypatch):
         assert multi.launches - before == expected and single.launches == 0
 
 
+def test_tensors_above_the_multi_tensor_size_keep_their_own_vectorized_launch(monkeypatch):
+    """A tensor larger than MULTI_TENSOR_MAX_NUMEL gets its own _adamw_kernel launch (aligned, vectorized
+    loads); the small ones still share one launch; the numbers are the same either way."""
+    import kernels.adamw as adamw
+
+    multi = _CountingLaunches(adamw._adamw_multi_kernel)
+    single = _CountingLaunches(adamw._adamw_kernel)
+    monkeypatch.setattr(adamw, "_adamw_multi_kernel", multi)
+    monkeypatch.setattr(adamw, "_adamw_kernel", single)
+    monkeypatch.setattr(adamw, "MULTI_TENSOR_MAX_NUMEL", 1000)
+    sizes = (300, 5000, 7, 1000, 1001)
+    params = [torch.nn.Parameter(randn(n, seed=s)) for s, n in enumerate(sizes)]
+    assert_triton_runs(params[0])
+    reference = [p.detach().clone() for p in params]
+    opt = AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for p, n in zip(params, sizes, strict=True):
+        p.grad = randn(n, seed=20 + n)
+    opt.step()
+    assert (multi.launches, single.launches) == (1, 2)  # 300, 7, 1000 together; 5000 and 1001 alone
+    for p, ref, n in zip(params, reference, sizes, strict=True):
+        m, v, t = torch.zeros_like(ref), torch.zeros_like(ref), torch.ones((), device=ref.device)
+        adamw.adamw_update_(ref, randn(n, seed=20 + n), m, v, t, LR, *BETAS, EPS, WD)
+        assert torch.equal(p.detach(), ref)
+
+
 def test_a_replaced_parameter_storage_rebuilds_the_cached_tables():
     from kernels.adamw import adamw_update_
 
