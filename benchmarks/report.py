@@ -380,6 +380,11 @@ _TRAIN_IMPLS = {"ligermodels": "`python -m ligermodels.train`", "ligermodels-cau
                 "hf+compile": "Trainer + torch.compile", "hf": "Trainer"}
 
 
+def _file_notes(runs: list[dict]) -> list[str]:
+    """The ``notes`` each results file records, named by file."""
+    return [f"\nNote (`{run['_file']}`): {n}" for run in runs for n in run.get("notes", [])]
+
+
 def train_table(runs: list[dict]) -> str:
     """What users run: the CLI against transformers.Trainer, and the issue-18 targets of each shape (the
     newest run of each shape; runs of one GPU and day listed together)."""
@@ -404,7 +409,7 @@ def train_table(runs: list[dict]) -> str:
     names = {"speed_vs_fastest_hf": "speed vs fastest Trainer", "memory_vs_hf_liger": "memory vs Trainer + Liger",
              "speed_vs_bare": "speed vs bare step", "document_attention_cost": "cost of document attention"}
     return "\n".join(lines + _checks_table(runs, names, ("memory_vs_hf_liger", "document_attention_cost"),
-                                            d["targets"]))
+                                            d["targets"]) + _file_notes(runs))
 
 
 def _checks_table(runs: list[dict], names: dict[str, str], at_most: tuple[str, ...], goals: dict) -> list[str]:
@@ -480,6 +485,7 @@ def lora_table(runs: list[dict]) -> str:
         names = {"speed_vs_fastest_peft": "speed vs faster Trainer + PEFT",
                  "memory_vs_peft_liger": "memory vs Trainer + PEFT + Liger"}
         lines += _checks_table(measured, names, ("memory_vs_peft_liger",), measured[0]["targets"])
+        lines += _file_notes(measured)
     fits = [f for run in runs for f in run.get("max_batch", [])]
     if fits:
         def found(f: dict) -> str:
@@ -531,7 +537,7 @@ def loop_only_table(runs: list[dict], compared: list[dict]) -> str:
                 cost = impls["ligermodels-causal"]["tokens_per_s"] / impls["ligermodels"]["tokens_per_s"] - 1
                 lines.append(f"| {shape[0]} | {shape[1]} | cost of attending within documents (same lease) | "
                              f"{cost:.3f} | | |")
-    return "\n".join(lines)
+    return "\n".join(lines + _file_notes(runs))
 
 
 def attention_table(files: list[dict]) -> str:
