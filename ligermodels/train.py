@@ -897,6 +897,28 @@ def exposed_us(comm: list[tuple[float, float]], compute: list[tuple[float, float
     return union_us(comm + compute) - union_us(compute)
 
 
+def idle_by_launch_site(kernels: list[tuple[float, float, int]], ops: dict[int, tuple[str, list[str]]],
+                        min_gap_us: float = 10.0) -> list[tuple[str, str, float, int]]:
+    """Where the GPU waits for the host: each gap of at least ``min_gap_us`` between device work (``kernels``:
+    (start, end, correlation id of the host op that launched it), microseconds, any order; overlapping work
+    counted once) is charged to the op that launched the work right after it (``ops``: correlation id ->
+    (op name, its Python stack, innermost first)). Returns [(op, site, idle us, gaps)], most idle first, the
+    site being the innermost stack frame in this package (else the innermost one). A gap after a kernel
+    launched late names what the host was busy with until then: the Python around that launch."""
+    by: dict[tuple[str, str], list[float]] = {}
+    end = None
+    for start, stop, corr in sorted(kernels):
+        if end is not None and start - end >= min_gap_us:
+            name, stack = ops.get(corr, ("(unknown host op)", []))
+            ours = [f for f in stack if re.search(r"(ligermodels|kernels)[/\\][^/\\]+\.py", f)]
+            site = (ours or stack or ["(no Python stack)"])[0]
+            entry = by.setdefault((name, site), [0.0, 0])
+            entry[0] += start - end
+            entry[1] += 1
+        end = stop if end is None else max(end, stop)
+    return sorted(((name, site, us, n) for (name, site), (us, n) in by.items()), key=lambda r: -r[2])
+
+
 class StepProfiler:
     """``--profile``: torch.profiler over two steps after the first five (fewer in a short run); rank 0
     writes ``OUT/profile.txt``: the profiled steps' wall time, the GPU's busy time by kernel category
@@ -986,7 +1008,21 @@ class StepProfiler:
         active = union_us(comm + compute) / n / 1e3
         return {"steps": list(self.steps), "wall_ms": round(wall_ms, 3), "gpu_active_ms": round(active, 3),
                 "gpu_idle_ms": round(wall_ms - active, 3), "nccl_ms": round(union_us(comm) / n / 1e3, 3),
-                "nccl_exposed_ms": round(exposed_us(comm, compute) / n / 1e3, 3)}
+                "nccl_exposed_ms": round(exposed_us(comm, compute) / n / 1e3, 3),
+                "idle_by_launch_site": [{"op": op, "site": site, "ms": round(us / n / 1e3, 3), "gaps": k // n}
+                                        for op, site, us, k in self.idle_sites()[:15]]}
+
+    def idle_sites(self) -> list[tuple[str, str, float, int]]:
+        """:func:`idle_by_launch_site` over the profiled steps' device work and the host ops that launched it."""
+        kernels, ops = [], {}
+        for e in self.prof.events():
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                if not getattr(e, "linked_correlation_id", 0):  # a PyTorch op (not a runtime call)
+                    ops[e.id] = (e.name, list(e.stack or []))
+            elif (getattr(e, "activity_type", None) or None) in (None, *self.DEVICE_WORK) \
+                    and not getattr(e, "is_user_annotation", False) and e.name != "Context Sync":
+                kernels.append((e.time_range.start, e.time_range.end, getattr(e, "linked_correlation_id", 0)))
+        return idle_by_launch_site(kernels, ops)
 
     def report(self, wall_ms: float, timeline: dict) -> str:
         n = len(self.steps)
@@ -1039,6 +1075,11 @@ class StepProfiler:
                 entry[1] += 1
         for (name, *frames), (ms, count) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:12]:
             lines.append(f"{ms:9.3f}  {count // n:6d}x  {name}  <- {' <- '.join(frames)}")
+        if timeline.get("idle_by_launch_site"):
+            lines += ["", "GPU idle before work launched by (ms/step, gaps/step, host op, innermost frame of this "
+                      "package; gaps of 10 us and more, the profiler's own overhead included):"]
+            lines += [f"{r['ms']:9.3f}  {r['gaps']:6d}x  {r['op'][:40]}  {r['site'][:110]}"
+                      for r in timeline["idle_by_launch_site"]]
         if "memory_at_peak" in timeline:
             lines += ["", f"Allocated memory at its peak in the profiled steps: {timeline['memory_peak_gb']:.2f} GB, "
                       f"reached by an allocation at {timeline['memory_peak_reached_at']}; live tensors by "

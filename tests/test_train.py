@@ -51,6 +51,7 @@ from ligermodels.train import (
     check_out_dir,
     check_resume,
     exposed_us,
+    idle_by_launch_site,
     init_device,
     load_full_state,
     load_inputs,
@@ -1003,3 +1004,36 @@ def test_load_full_state_copies_every_tensor_and_names_a_mismatch():
     with pytest.raises(TrainError, match="missing \\['norm.weight'\\]"):
         load_full_state(target, partial, rank=0, world=1, device=torch.device("cpu"))
     assert init_device(config, torch.device("cpu")) == torch.device("cpu")
+
+
+def test_idle_time_is_charged_to_the_op_that_launched_the_work_after_it():
+    """Gaps between device work (overlaps counted once) go to the host op of the next kernel, by its innermost
+    frame in this package; gaps under the threshold are ignored."""
+    stack_norm = ["/x/kernels/rms_norm.py(260): _rms_norm_fwd", "/x/ligermodels/blocks.py(70): project"]
+    stack_step = ["/t/torch/optim/optimizer.py(5): wrapper", "/x/ligermodels/train.py(1200): train"]
+    ops = {1: ("ligermodels::rms_norm_fwd", stack_norm), 2: ("aten::mm", ["/t/torch/nn/functional.py(9): linear"]),
+           3: ("Optimizer.step", stack_step)}
+    kernels = [(0.0, 100.0, 1), (50.0, 120.0, 2),  # overlapping: one busy span 0..120
+               (125.0, 200.0, 2),  # a 5 us gap: below the threshold
+               (260.0, 300.0, 1),  # 60 us idle before a norm kernel
+               (400.0, 410.0, 3),  # 100 us before the optimizer's
+               (430.0, 440.0, 1)]  # 20 more before a norm kernel
+    rows = idle_by_launch_site(kernels, ops, min_gap_us=10.0)
+    assert rows == [("Optimizer.step", "/x/ligermodels/train.py(1200): train", 100.0, 1),
+                    ("ligermodels::rms_norm_fwd", "/x/kernels/rms_norm.py(260): _rms_norm_fwd", 80.0, 2)]
+    assert idle_by_launch_site([(0.0, 1.0, 9), (50.0, 60.0, 9)], {}) == [("(unknown host op)", "(no Python stack)",
+                                                                         49.0, 1)]
+
+
+def test_profile_writes_the_step_budget_and_its_numbers(checkpoint, data, workdir):
+    """--profile on the CPU: profile.txt with the category table, profile.json with the per-step totals (no device
+    work there, so no idle attribution and no memory part)."""
+    out = workdir / "profiled"
+    res = _train([*_flags(checkpoint, data, out), "--steps", "8", "--save-every", "0", "--profile"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    text = (out / "profile.txt").read_text()
+    assert "steps 6-7" in text and "Top 30 host ops" in text
+    numbers = json.loads((out / "profile.json").read_text())
+    assert numbers["steps"] == [6, 7] and numbers["wall_ms"] > 0 and numbers["idle_by_launch_site"] == []
+    assert "memory_at_peak" not in numbers
+    assert [m["step"] for m in _metrics(out)] == list(range(1, 9))
