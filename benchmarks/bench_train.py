@@ -96,13 +96,14 @@ import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FULL_IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-tokens", "ligermodels-vocab", "hf", "hf+liger",
-              "hf+compile", "bare")
+FULL_IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-tokens", "ligermodels-vocab", "ligermodels-graph",
+              "hf", "hf+liger", "hf+compile", "bare")
 #: The LoRA runs: ``--lora`` runs the first three; ``hf+peft`` (the Trainer alone) only when named in --impls.
-LORA_IMPLS = ("ligermodels-lora", "hf+peft+liger", "hf+peft+compile", "hf+peft")
+LORA_IMPLS = ("ligermodels-lora", "hf+peft+liger", "hf+peft+compile", "hf+peft", "ligermodels-lora-graph")
 IMPLS = FULL_IMPLS + LORA_IMPLS
 #: What runs without ``--impls``: the loss-head variants only when asked for.
-DEFAULT_FULL_IMPLS = tuple(i for i in FULL_IMPLS if i not in ("ligermodels-tokens", "ligermodels-vocab"))
+DEFAULT_FULL_IMPLS = tuple(i for i in FULL_IMPLS
+                           if i not in ("ligermodels-tokens", "ligermodels-vocab", "ligermodels-graph"))
 HF_IMPLS = ("hf", "hf+liger", "hf+compile")
 HF_LORA_IMPLS = ("hf+peft+liger", "hf+peft+compile", "hf+peft")
 SEED = 0
@@ -197,13 +198,14 @@ def ensure_base(work: str, model: str, timeout: int) -> str:
 def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: str, profile: bool = False) -> list[str]:
     """The ``python -m ligermodels.train`` command of a ligermodels impl: ``model_dir`` from scratch, or for
     ``ligermodels-lora`` the base checkpoint ``model_dir`` loaded, with the LoRA flags (:data:`LORA`)."""
-    lora = impl == "ligermodels-lora"
+    lora = impl.startswith("ligermodels-lora")
     cmd = [sys.executable, "-m", "ligermodels.train", "--model", model_dir, *([] if lora else ["--from-scratch"]),
            "--data", data, "--out", out, "--overwrite", "--seq-len", str(args.seq), "--batch-size", str(batch),
            "--steps", str(args.steps), "--save-every", "0", "--log-every", "10", "--lr", str(LORA_LR if lora else LR),
            "--lr-schedule", "constant", "--warmup-steps", "0", "--seed", str(SEED), "--ac", args.ac,
            "--attention", "causal" if impl == "ligermodels-causal" else "documents",
-           *(["--loss-strategy", impl.split("-")[1]] if impl in ("ligermodels-tokens", "ligermodels-vocab") else [])]
+           *(["--loss-strategy", impl.split("-")[1]] if impl in ("ligermodels-tokens", "ligermodels-vocab") else []),
+           *(["--cuda-graph"] if impl.endswith("-graph") else [])]
     if lora:
         cmd += ["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
                 str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])]
@@ -662,6 +664,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lora runs the LoRA impls ({' '.join(LORA_IMPLS)}), got {' '.join(full)}")
     if args.max_batch and full:
         ap.error(f"--max-batch is for the LoRA impls ({' '.join(LORA_IMPLS)}), got {' '.join(full)}")
+    if args.max_batch and "ligermodels-lora-graph" in args.impls:
+        ap.error("--max-batch tries the trainer's step in-process, eagerly: leave out ligermodels-lora-graph")
     args.lora = bool(lora)
     runs = []
     for run in args.runs:

@@ -376,6 +376,7 @@ def _loop_only_runs() -> list[dict]:
 _TRAIN_IMPLS = {"ligermodels": "`python -m ligermodels.train`", "ligermodels-causal": "the same, `--attention causal`",
                 "ligermodels-tokens": "the same, `--loss-strategy tokens`",
                 "ligermodels-vocab": "the same, `--loss-strategy vocab`",
+                "ligermodels-graph": "the same, `--cuda-graph`",
                 "bare": "bare step (bench_e2e, same precision)", "hf+liger": "Trainer + Liger-Kernel",
                 "hf+compile": "Trainer + torch.compile", "hf": "Trainer"}
 
@@ -449,6 +450,7 @@ def _lora_runs() -> list[dict]:
 
 
 _LORA_IMPLS = {"ligermodels-lora": "`python -m ligermodels.train --lora-rank ...`",
+               "ligermodels-lora-graph": "the same, `--cuda-graph`",
                "hf+peft+liger": "Trainer + PEFT + Liger-Kernel", "hf+peft+compile": "Trainer + PEFT + torch.compile",
                "hf+peft": "Trainer + PEFT"}
 

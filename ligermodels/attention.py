@@ -83,6 +83,18 @@ class Documents:
         cu = torch.cat([start.flatten().nonzero().flatten(), torch.tensor([b * s])]).to(torch.int32)
         return cls(document_ids, to_device(cu, document_ids.device), int(cu.diff().max()))
 
+    def padded(self, capacity: int, max_len: int) -> Documents | None:
+        """The same documents with room for ``capacity`` sequences and ``max_len`` as their longest, for a
+        step replayed from a CUDA graph (whose shapes and host ints are those of the capture): the bounds are
+        repeated after the last sequence (empty sequences, which FlashAttention skips), and a larger
+        ``max_len`` only adds blocks that find no query. None when there are more than ``capacity`` sequences
+        or one longer than ``max_len``."""
+        n = self.cu_seqlens.numel() - 1
+        if n > capacity or self.max_len > max_len:
+            return None
+        cu = self.cu_seqlens
+        return Documents(self.ids, torch.cat([cu, cu[-1:].expand(capacity - n)]), max_len)
+
     def to(self, device: torch.device | str) -> Documents:
         """The same documents on ``device`` (from pinned host memory, without waiting, to a GPU)."""
         device = torch.device(device)

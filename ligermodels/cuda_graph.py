@@ -74,12 +74,16 @@ class CUDAGraphStep:
         optimizer: ``torch.optim.Adam`` / ``AdamW`` over the parameters, with ``capturable=True``.
         example_inputs: CUDA tensors with the shapes, dtypes and device of every later call's inputs.
         warmup: eager warm-up steps (learning rate 0) before the capture.
+        after_backward: called between the backward and ``optimizer.step()`` (e.g. gradient clipping,
+            ``kernels.AdamW.clip_grad_norm_``); what it returns is kept as ``self.after_backward_out``,
+            overwritten by every call like the loss.
     Returns (on call):
         the loss of this step, a 0-dim tensor that the next call overwrites (``.clone()`` it to keep it).
     """
 
     def __init__(self, loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer,
-                 *example_inputs: torch.Tensor, warmup: int = 3):
+                 *example_inputs: torch.Tensor, warmup: int = 3,
+                 after_backward: Callable[[], object] | None = None):
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
             raise TypeError(f"CUDAGraphStep supports torch.optim.Adam and AdamW, got {type(optimizer).__name__}")
         if not all(group["capturable"] for group in optimizer.param_groups):
@@ -94,9 +98,13 @@ class CUDAGraphStep:
         self.inputs = [x.detach().clone() for x in example_inputs]
         self.graph = torch.cuda.CUDAGraph()
 
+        self.after_backward_out = None
+
         def step() -> torch.Tensor:
             loss = loss_fn(*self.inputs)
             loss.backward()
+            if after_backward is not None:
+                self.after_backward_out = after_backward()
             optimizer.step()
             return loss.detach()
 

@@ -209,6 +209,36 @@ def test_documents_bounds_split_rows_and_documents():
         Documents.from_ids(torch.zeros(6, dtype=torch.int32))
 
 
+def test_padded_documents_repeat_the_last_bound_and_refuse_what_does_not_fit():
+    """Room for more sequences is empty sequences at the end; a longer max_len is taken; more sequences than the
+    room, or a longer one than max_len, give None (the step then runs eagerly)."""
+    docs = Documents.from_positions(torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]]))
+    padded = docs.padded(8, 6)
+    assert padded.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 12, 12, 12, 12] and padded.max_len == 6
+    assert padded.cu_seqlens.dtype == torch.int32 and padded.ids is docs.ids
+    assert docs.padded(5, 4).cu_seqlens.tolist() == [0, 3, 5, 6, 8, 12]
+    assert docs.padded(4, 6) is None and docs.padded(8, 3) is None
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="FlashAttention needs CUDA")
+def test_padded_bounds_give_the_same_attention_and_gradients():
+    """FlashAttention over bounds padded with empty sequences and the row length as the longest (what a CUDA-graph
+    step captures) gives the unpadded bounds' output and gradients."""
+    b, s, hq, hkv, d = 2, 256, 8, 2, 64
+    pos = torch.cat([torch.arange(100), torch.arange(156), torch.arange(30), torch.arange(226)]).view(b, s)
+    docs = Documents.from_positions(pos).to(DEVICE)
+    padded = Documents.from_positions(pos).padded(64, s).to(DEVICE)
+    results = []
+    for bounds in (docs, padded):
+        q, k, v = (randn(b, s, h, d, seed=i, dtype=torch.bfloat16).requires_grad_() for i, h in ((1, hq), (2, hkv),
+                                                                                                    (3, hkv)))
+        out = causal_attention(q, k, v, mask=AttentionMask(s, bounds))
+        out.backward(randn(*out.shape, seed=4, dtype=torch.bfloat16))
+        results.append((out, q.grad, k.grad, v.grad))
+    for name, a, c in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        assert_rel(c, a, torch.bfloat16, f"padded bounds: {name}", 1e-2)
+
+
 def test_documents_and_plain_ids_give_the_same_attention():
     """AttentionMask(S, Documents) attends as AttentionMask(S, ids) does (whatever the path: FlashAttention
     from the bounds on CUDA in bf16, masks elsewhere), and a model forward takes either."""

@@ -30,6 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels import AdamW
 from ligermodels import LigerLlama, document_ids_from_positions
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.config import DecoderConfig
@@ -48,6 +49,7 @@ from ligermodels.train import (
     TrainError,
     _metrics_up_to,
     apply_activation_checkpointing,
+    check_cuda_graph,
     check_out_dir,
     check_resume,
     exposed_us,
@@ -1037,3 +1039,98 @@ def test_profile_writes_the_step_budget_and_its_numbers(checkpoint, data, workdi
     assert numbers["steps"] == [6, 7] and numbers["wall_ms"] > 0 and numbers["idle_by_launch_site"] == []
     assert "memory_at_peak" not in numbers
     assert [m["step"] for m in _metrics(out)] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cuda-graph", "--device", "cpu"], "--cuda-graph replays a CUDA graph: it needs --device cuda"),
+    (["--cuda-graph", "--grad-accum", "2"], "--cuda-graph captures one micro-batch a step: it needs --grad-accum 1"),
+    (["--cuda-graph", "--compile"], "--cuda-graph and --compile exclude each other"),
+    (["--graph-documents", "0"], "--graph-documents must be at least 1, got 0"),
+])
+def test_cuda_graph_flags_are_refused_where_no_graph_can_run(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_cuda_graph_is_refused_on_several_ranks_and_in_fp32():
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+                           num_kv_heads=2)
+    args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--device", "cpu"])
+    args.cuda_graph, args.dtype = True, "bf16"
+    with pytest.raises(TrainError, match="--cuda-graph runs on one rank"):
+        check_cuda_graph(args, config, world=2)
+    args.dtype = "fp32"
+    with pytest.raises(TrainError, match="--cuda-graph needs --dtype bf16"):
+        check_cuda_graph(args, config, world=1)
+    args.cuda_graph = False
+    check_cuda_graph(args, config, world=2)  # nothing to check without the flag
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("attention", ["documents", "causal"])
+def test_a_cuda_graph_step_takes_the_eager_steps(checkpoint, data, workdir, attention):
+    """--cuda-graph (bf16 on one GPU; packed documents through padded FlashAttention bounds, or causal): the same
+    losses, gradient norms and final weights as the eager loop, within bf16 rounding (FlashAttention's backward
+    accumulates with atomics, so neither loop repeats itself bit for bit); a batch with more documents than the
+    captured room runs eagerly and says so."""
+    runs = {}
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph"]), ("tight", ["--cuda-graph", "--graph-documents",
+                                                                                 "1"])):
+        if name == "tight" and attention == "causal":
+            continue
+        out = workdir / f"graph-{attention}-{name}"
+        flags = [a for a in _flags(checkpoint, data, out) if a not in ("fp32", "cpu", "--dtype", "--device")]
+        res = _train([*flags, "--device", "cuda", "--dtype", "bf16", "--steps", "6", "--save-every", "0",
+                      "--attention", attention, *extra])
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = (_metrics(out), _weights(out), res.stdout)
+    eager = runs["eager"]
+    for name, (metrics, weights, _) in runs.items():
+        for a, b in zip(eager[0], metrics, strict=True):
+            assert abs(a["loss"] - b["loss"]) <= 2e-2 * abs(a["loss"]), (name, a, b)
+            assert abs(a["grad_norm"] - b["grad_norm"]) <= 5e-2 * abs(a["grad_norm"]), (name, a, b)
+        for k in weights:
+            assert _rel(weights[k].float(), eager[1][k].float()) <= 2e-2, (name, k)
+    if "tight" in runs:
+        assert "run eagerly (warned once)" in runs["tight"][2]
+
+
+def test_graphed_step_captures_tensor_learning_rates_and_gives_the_schedule_back_its_floats(monkeypatch):
+    """The capture sees each group's lr as a device tensor (so a replay reads the schedule's value) and
+    capturable=True; afterwards the groups hold floats again, which every call copies into those tensors; the
+    documents' bounds are padded to batch x --graph-documents sequences, and a batch with more runs eagerly."""
+    import ligermodels.train as train_mod
+
+    captured = {}
+
+    class FakeGraph:
+        def __init__(self, loss_fn, optimizer, *inputs, after_backward=None):
+            captured["lrs"] = [g["lr"] for g in optimizer.param_groups]
+            captured["capturable"] = [g["capturable"] for g in optimizer.param_groups]
+            captured["shapes"] = [tuple(t.shape) for t in inputs]
+            self.after_backward_out = torch.tensor(2.0)
+
+        def __call__(self, *inputs):
+            captured["calls"] = captured.get("calls", 0) + 1
+            return torch.tensor(1.0)
+
+    monkeypatch.setattr(train_mod, "CUDAGraphStep", FakeGraph)
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = AdamW([{"params": [p]}, {"params": [], "lr": 0.5}], lr=0.1)
+    args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--device", "cpu", "--batch-size", "2",
+                       "--seq-len", "6", "--graph-documents", "3"])
+    graphed = train_mod.GraphedStep(None, optimizer, args, torch.device("cpu"))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
+    batch = (torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 6, dtype=torch.long), positions)
+    inputs = graphed.inputs(batch, torch.tensor(12))
+    assert inputs[4].tolist() == [0, 3, 5, 6, 8, 12, 12]  # 5 sequences, room for 2 x 3
+    loss, norm = graphed(inputs, max_norm=1.0)
+    assert all(isinstance(lr, torch.Tensor) for lr in captured["lrs"]) and captured["capturable"] == [True, True]
+    assert captured["shapes"] == [(2, 6), (2, 6), (2, 6), (), (7,)]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.5] and float(norm) == 2.0
+    optimizer.param_groups[0]["lr"] = 0.05  # the schedule moved
+    graphed(inputs, max_norm=1.0)
+    assert [float(t) for t in graphed.lrs] == [float(torch.tensor(0.05)), 0.5] and captured["calls"] == 2
+    crowded = torch.zeros(2, 6, dtype=torch.long)  # 12 one-token documents: more than 2 x 3
+    assert graphed.inputs((batch[0], batch[1], crowded), torch.tensor(12)) is None
