@@ -91,7 +91,7 @@ def test_train_commands():
     assert "ligermodels-tokens" not in bt.DEFAULT_FULL_IMPLS and "bare" in bt.DEFAULT_FULL_IMPLS
     assert bt.train_command(args, "ligermodels-graph", "m", "d", 8, "o")[-1] == "--cuda-graph"
     graph_lora = bt.train_command(args, "ligermodels-lora-graph", "m", "d", 8, "o")
-    assert graph_lora[-1] == "--cuda-graph" and "--lora-rank" in graph_lora and "--from-scratch" not in graph_lora
+    assert "--cuda-graph" in graph_lora and "--lora-rank" in graph_lora and "--from-scratch" not in graph_lora
     assert "ligermodels-graph" not in bt.DEFAULT_FULL_IMPLS
     assert bt.train_command(args, "ligermodels-lora", "m", "d", 8, "o") == \
         [*head, *common, "--lr", "0.0001", *rest, "documents", "--lora-rank", "16", "--lora-alpha", "32.0",
