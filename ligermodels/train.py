@@ -103,7 +103,7 @@ COMMON_DEFAULTS = dict(grad_accum=1, lr_schedule="cosine", min_lr_ratio=0.1, wei
                        from_scratch=False, loss_strategy="auto", profile=False,
                        attention="documents", lora_rank=0, lora_alpha=16.0, lora_dropout=0.0,
                        lora_targets="q,k,v,o,gate,up,down", merge=False, compile=False, cuda_graph=False,
-                       graph_documents=64,
+                       graph_documents=16,
                        reshard_after_forward="default", prefetch=0)
 DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20, save_every=200,
                      log_every=50)
@@ -167,8 +167,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            "the GPU never waits for the host: one CUDA rank, --grad-accum 1, bf16 attention through "
            "FlashAttention (no soft-capping, no dropout) or --attention causal")
     a("--graph-documents", type=int,
-      help="--cuda-graph: room for this many documents per row in the captured step (default 64); a batch with "
-           "more runs eagerly")
+      help="--cuda-graph: room for this many documents per row in the captured step (default 16); a batch with "
+           "more runs eagerly. Room costs: FlashAttention launches blocks for every empty sequence of the padding")
     a("--compile", action="store_true", default=None,
       help="torch.compile each decoder layer's forward (inside its activation checkpoint, outside FSDP's hooks)")
     a("--reshard-after-forward", choices=("default", "always", "never"),
