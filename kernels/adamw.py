@@ -229,6 +229,13 @@ def _check_layout(param: torch.Tensor, grad: torch.Tensor, state: dict) -> None:
             raise ValueError(f"{what}: its {name} has strides {m.stride()}, the parameter {p.stride()}")
 
 
+def _check_lr_device(lr: float | torch.Tensor, device: torch.device) -> None:
+    """ValueError when an lr tensor, which the kernel reads, sits on another device than the parameter."""
+    if isinstance(lr, torch.Tensor) and lr.device != device:
+        raise ValueError(f"kernels.AdamW: the lr tensor is on {lr.device}, the parameter on {device}; "
+                         "put the lr on the parameters' device")
+
+
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: torch.Tensor, lr: float | torch.Tensor, beta1: float, beta2: float, eps: float,
                   weight_decay: float, master_lo: torch.Tensor | None = None,
@@ -248,9 +255,7 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     if n == 0:
         return
     on_device = isinstance(lr, torch.Tensor)
-    if on_device and lr.device != p.device:
-        raise ValueError(f"kernels.AdamW: the lr tensor is on {lr.device}, the parameter on {p.device}; "
-                         "put the lr on the parameters' device")
+    _check_lr_device(lr, p.device)
     step = _local(step)
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         p, lo, g, m, v, step, lr if on_device else step, step if grad_scale is None else grad_scale,
@@ -441,10 +446,7 @@ class AdamW(torch.optim.AdamW):
             for p in group["params"]:
                 if self._grad(p) is not None:
                     _check_layout(p, self._grad(p), self.state.get(p, {}))
-                    lr = group["lr"]
-                    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != _local(p).device:
-                        raise ValueError(f"kernels.AdamW: the lr tensor is on {lr.device}, the parameter on "
-                                         f"{_local(p).device}; put the lr on the parameters' device")
+                    _check_lr_device(self._lr(group, [p]), _local(p).device)  # (a host tensor: read as a float)
         capturing = bool(with_grad) and with_grad[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         index = {id(group): i for i, group in enumerate(self.param_groups)}
         launches: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}  # launch group -> (p, lo, g, m, v, step) each

@@ -55,6 +55,8 @@ from kernels.low_rank import (
     low_rank_input_grad,
     low_rank_linear,
     low_rank_reference,
+    save_low_rank,
+    saved_low_rank,
 )
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
@@ -256,17 +258,17 @@ class GLULinearFunction(torch.autograd.Function):
                 keep_activation: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
                 lora_dropout: float = 0.0) -> torch.Tensor:
         h = _glu_fwd(x, None, act)
-        z = mask = None
+        z = bb = mask = None
         if lora_a is None:
             out = F.linear(h, weight, bias)
         else:
             h2 = h.view(-1, h.shape[-1])
             mask = dropout_mask(h2, lora_dropout)
-            out, z = low_rank_linear(h2, weight, bias, LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout),
-                                     mask)
+            lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
+            out, z, bb = low_rank_linear(h2, weight, bias, lr, mask)
             out = out.view(*h.shape[:-1], weight.shape[0])
             ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
-        lora = [] if lora_a is None else [lora_a, lora_b, z] + ([] if mask is None else [mask])
+        lora = save_low_rank(lora_a, lora_b, z, bb, mask)
         ctx.save_for_backward(x, weight, *lora, *([h] if keep_activation else []))
         ctx.n_lora = len(lora)
         ctx.act, ctx.has_bias = act, bias is not None
@@ -275,7 +277,7 @@ class GLULinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         x, weight, *rest = ctx.saved_tensors
-        lora_a, lora_b, z, mask = (rest[:ctx.n_lora] + [None] * 4)[:4]
+        lora_a, lora_b, z, bb, mask = saved_low_rank(rest[:ctx.n_lora])
         kept = rest[ctx.n_lora] if len(rest) > ctx.n_lora else None
         needs_w, needs_b = ctx.needs_input_grad[1:3]
         needs_la, needs_lb = ctx.needs_input_grad[5:7]
@@ -285,7 +287,7 @@ class GLULinearFunction(torch.autograd.Function):
             dh = d2 @ weight  # (M, I)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
-            dz, dlb = low_rank_backward(d2, lr, z, needs_lb)
+            dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
             dh = low_rank_input_grad(d2, weight, dz, lr, mask)
         needs_h = needs_w or (lora_a is not None and needs_la)
         if kept is not None or not needs_h:

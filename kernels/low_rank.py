@@ -21,7 +21,8 @@ Backward, with ``d = dout``::
     dB_t = (z.T @ d)[t*r:(t+1)*r, s_t:e_t].T
     dx  = dropout'(dz @ A) + d @ W       dA = dz.T @ u      (u needs x again: see the callers)
 
-Saved for backward: A, B, z (M x T*r, small), the keep-mask when dropping (M x K bool), and
+Saved for backward: A, B, z (M x T*r, small), the block matrix (T*r x N, small: built once a step, not
+again in backward), the keep-mask when dropping (M x K bool), and
 whatever the caller keeps of x. :func:`kernels.rms_norm_linear` and :func:`kernels.glu_linear`
 take a :class:`LowRank` and write their input (the norm output, the GLU activation) again in
 backward, as they do for the weight gradient, so the adapters keep no (M, K) activation of their
@@ -107,9 +108,10 @@ def block_b(lr: LowRank, n_out: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def low_rank_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lr: LowRank,
-                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``F.linear(x2, weight, bias)`` (x2 (M, K), weight (N, K)) plus the low-rank term of x2: returns
-    (out (M, N) in x2's dtype, z = scale * dropout(x2) @ A.T (M, T*r) in the compute dtype, for backward).
+    (out (M, N) in x2's dtype, z = scale * dropout(x2) @ A.T (M, T*r) in the compute dtype, and
+    :func:`block_b` in that dtype; both for backward, which so builds the block matrix no second time).
 
     The base GEMM runs last and accumulates onto the low-rank term (``out = z @ block_b (+ bias)``, then
     ``out.addmm_(x2, W.T)``: cuBLAS reads out once as its C operand), instead of adding the term onto the
@@ -119,17 +121,17 @@ def low_rank_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     z = (_input(x2, mask, lr.dropout, cd) @ lr.a.to(cd).t()).mul_(lr.scale)
     bb = block_b(lr, weight.shape[0], cd)
     out = torch.addmm(bias.to(cd), z, bb) if bias is not None else z @ bb
-    return out.addmm_(x2, weight.t()), z
+    return out.addmm_(x2, weight.t()), z, bb
 
 
-def low_rank_backward(d2: torch.Tensor, lr: LowRank, z: torch.Tensor, needs_b: bool
+def low_rank_backward(d2: torch.Tensor, lr: LowRank, z: torch.Tensor, bb: torch.Tensor, needs_b: bool
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """From the output gradient d2 (M, N): (dz (M, T*r) in the compute dtype, for
-    :func:`low_rank_input_grad` and :func:`low_rank_grad_a`; dB in B's dtype, or None)."""
+    """From the output gradient d2 (M, N) and forward's z and block matrix ``bb``: (dz (M, T*r) in the compute
+    dtype, for :func:`low_rank_input_grad` and :func:`low_rank_grad_a`; dB in B's dtype, or None)."""
     cd = z.dtype
     r = lr.a.shape[0] // len(lr.slices)
     d2 = d2.to(cd)
-    dz = (d2 @ block_b(lr, d2.shape[1], cd).t()).mul_(lr.scale)
+    dz = (d2 @ bb.t()).mul_(lr.scale)
     db = None
     if needs_b:
         dbb = z.t() @ d2  # (T*r, N): the blocks on the diagonal are the dB_t.T
@@ -145,6 +147,18 @@ def low_rank_input_grad(d2: torch.Tensor, weight: torch.Tensor, dz: torch.Tensor
     if mask is not None:
         part.masked_fill_(~mask.view(part.shape), 0.0).mul_(1.0 / (1.0 - lr.dropout))
     return part.addmm_(d2, weight)
+
+
+def save_low_rank(lora_a: torch.Tensor | None, lora_b: torch.Tensor | None, z: torch.Tensor | None,
+                  bb: torch.Tensor | None, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """What a projection's autograd function saves for its adapters: nothing without them, else A, B, z,
+    the block matrix and (when dropping) the keep-mask; :func:`saved_low_rank` reads it back."""
+    return [] if lora_a is None else [lora_a, lora_b, z, bb] + ([] if mask is None else [mask])
+
+
+def saved_low_rank(saved: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """(A, B, z, block matrix, keep-mask) from :func:`save_low_rank`'s list, None where nothing was saved."""
+    return tuple((list(saved) + [None] * 5)[:5])
 
 
 def low_rank_grad_a(dz: torch.Tensor, x2: torch.Tensor, lr: LowRank, mask: torch.Tensor | None) -> torch.Tensor:
@@ -172,26 +186,26 @@ def low_rank_reference(x: torch.Tensor, out: torch.Tensor, lr: LowRank,
 
 class LoRALinearFunction(torch.autograd.Function):
     """``forward(x, weight, bias, a, b, slices, scale, dropout)``: ``F.linear(x, weight, bias)`` plus the
-    low-rank term; saves x, the weights, z and the keep-mask. No dW when the weight is frozen."""
+    low-rank term; saves x, the weights, z, the block matrix and the keep-mask. No dW when the weight is frozen."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, slices, scale: float, dropout: float):
         lr = LowRank(a, b, slices, scale, dropout)
         x2 = x.reshape(-1, x.shape[-1])
         mask = dropout_mask(x2, dropout)
-        out, z = low_rank_linear(x2, weight, bias, lr, mask)
-        ctx.save_for_backward(x, weight, a, b, z, mask)
+        out, z, bb = low_rank_linear(x2, weight, bias, lr, mask)
+        ctx.save_for_backward(x, weight, a, b, z, bb, mask)
         ctx.low_rank = (slices, scale, dropout)
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, dout):
-        x, weight, a, b, z, mask = ctx.saved_tensors
+        x, weight, a, b, z, bb, mask = ctx.saved_tensors
         lr = LowRank(a, b, *ctx.low_rank)
         needs_x, needs_w, needs_bias, needs_a, needs_b = ctx.needs_input_grad[:5]
         d2 = dout.reshape(-1, dout.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        dz, db = low_rank_backward(d2, lr, z, needs_b)
+        dz, db = low_rank_backward(d2, lr, z, bb, needs_b)
         dx = low_rank_input_grad(d2, weight, dz, lr, mask).view(x.shape) if needs_x else None
         dw = d2.t() @ x2 if needs_w else None
         dbias = d2.sum(0) if needs_bias else None

@@ -22,8 +22,8 @@ tensors per layer, one layer at a time (0.12 GB at Qwen2-7B, batch 4 x 2048).
 LoRA adapters on the projection (``low_rank``, :mod:`kernels.low_rank`) ride along: their stacked A
 reads the same y in forward, and in backward the y written again for dW also gives dA (when the base
 weight is frozen, y is written again for dA alone); the adapters keep only their small (M, T*r)
-product and, when dropping, their keep-mask. A weight that needs no gradient (frozen) gets no dW GEMM;
-frozen and without adapters, y is not written again at all.
+product, their block matrix and, when dropping, their keep-mask. A weight that needs no gradient
+(frozen) gets no dW GEMM; frozen and without adapters, y is not written again at all.
 
 Numbers are those of ``linear(rms_norm(...))`` exactly: the same kernels produce ``y`` both times
 and the GEMMs are the ones autograd's linear would run. The kernels live in :mod:`kernels.rms_norm`;
@@ -45,6 +45,8 @@ from kernels.low_rank import (
     low_rank_input_grad,
     low_rank_linear,
     low_rank_reference,
+    save_low_rank,
+    saved_low_rank,
 )
 from kernels.rms_norm import (
     _casting_code,
@@ -65,8 +67,8 @@ class RMSNormLinearFunction(torch.autograd.Function):
     the two weights and the per-row rstd; the norm output y too when ``keep_output`` (else backward
     writes it again, only when a weight gradient needs it). With low-rank adapters (``lora_a`` not None,
     :mod:`kernels.low_rank`), the same y feeds W and the stacked A in forward and, written again once,
-    dW and dA in backward; the adapters keep only z (M x T*r) and their dropout keep-mask. A frozen
-    ``weight`` (no gradient asked) gets no dW GEMM.
+    dW and dA in backward; the adapters keep only z (M x T*r), their (T*r x N) block matrix and their
+    dropout keep-mask. A frozen ``weight`` (no gradient asked) gets no dW GEMM.
     """
 
     @staticmethod
@@ -79,18 +81,18 @@ class RMSNormLinearFunction(torch.autograd.Function):
         else:
             y, h, rstd = _fused_add_rms_norm_fwd(x, residual, norm_weight, eps, offset, casting)
         y2 = y.reshape(-1, y.shape[-1])
-        z = mask = None
+        z = bb = mask = None
         if lora_a is None:
             out2 = F.linear(y2, weight, bias)
         else:
             lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
             mask = dropout_mask(y2, lora_dropout)
-            out2, z = low_rank_linear(y2, weight, bias, lr, mask)
+            out2, z, bb = low_rank_linear(y2, weight, bias, lr, mask)
             ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         # A 2-D GEMM, then an untracked reshape: the output must not be a view (the rotary
         # embedding rotates the q/k/v projection output in place, which autograd forbids on views).
         out = torch.ops.aten._unsafe_view(out2, (*y.shape[:-1], weight.shape[0]))
-        lora = [] if lora_a is None else [lora_a, lora_b, z] + ([] if mask is None else [mask])
+        lora = save_low_rank(lora_a, lora_b, z, bb, mask)
         ctx.save_for_backward(h, norm_weight, weight, rstd, *lora, *([y] if keep_output else []))
         ctx.n_lora = len(lora)
         ctx.norm = (eps, offset, casting)
@@ -104,7 +106,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor | None, dh: torch.Tensor | None = None):
         h, norm_weight, weight, rstd, *rest = ctx.saved_tensors
-        lora_a, lora_b, z, mask = (rest[:ctx.n_lora] + [None] * 4)[:4]
+        lora_a, lora_b, z, bb, mask = saved_low_rank(rest[:ctx.n_lora])
         kept = rest[ctx.n_lora] if len(rest) > ctx.n_lora else None
         eps, offset, casting = ctx.norm
         needs_w, needs_b = ctx.needs_input_grad[3:5]
@@ -117,7 +119,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
             dy = dout.matmul(weight)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
-            dz, dlb = low_rank_backward(d2, lr, z, needs_lb)
+            dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
             dy = low_rank_input_grad(d2, weight, dz, lr, mask).view(*dout.shape[:-1], weight.shape[1])
         if needs_w or (lora_a is not None and needs_la):
             # the norm output: kept from forward, or written again

@@ -300,13 +300,16 @@ if MASKED_ATTENTION not in ("flash", "flex"):
     raise ValueError(f"LIGERMODELS_MASKED_ATTENTION={MASKED_ATTENTION!r}: choose 'flash' or 'flex'")
 
 
+def flash_varlen_takes(device: torch.device, dtype: torch.dtype, head_dim: int, dropout_p: float) -> bool:
+    """Whether FlashAttention-2's variable-length kernel takes queries of this kind: CUDA (compute capability
+    8+), bf16 / fp16, head_dim a multiple of 8 up to 256, no dropout."""
+    return (MASKED_ATTENTION == "flash" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and head_dim % 8 == 0 and head_dim <= 256 and dropout_p == 0.0 and _capability(device)[0] >= 8)
+
+
 def flash_varlen_applies(q: torch.Tensor, dropout_p: float) -> bool:
-    """Whether FlashAttention-2's variable-length kernel takes these queries: CUDA (compute capability 8+),
-    bf16 / fp16, head_dim a multiple of 8 up to 256, no dropout."""
-    d = q.shape[-1]
-    return (MASKED_ATTENTION == "flash" and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and d % 8 == 0 and d <= 256 and dropout_p == 0.0
-            and _capability(q.device)[0] >= 8)
+    """:func:`flash_varlen_takes` for the queries ``q`` (..., head_dim)."""
+    return flash_varlen_takes(q.device, q.dtype, q.shape[-1], dropout_p)
 
 
 @functools.lru_cache

@@ -79,7 +79,7 @@ from checkpoints_tools import CheckpointError, load_hf, read_config, resolve, sa
 from checkpoints_tools.hub import safetensors_files
 from kernels import AdamW
 from ligermodels import demo_corpus
-from ligermodels.attention import Documents, document_ids_from_positions, flash_varlen_applies, to_device
+from ligermodels.attention import Documents, document_ids_from_positions, flash_varlen_takes, to_device
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.cli import environment_error, print_error
 from ligermodels.config import DecoderConfig
@@ -665,13 +665,19 @@ def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Ten
     # the documents' bounds are found here, on the host, so attention needs no device-to-host copy
     documents = Documents.from_positions(positions).to(device) if args.attention == "documents" else None
     input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
-    loss = model.loss(input_ids, labels, num_items=num_items, position_ids=positions, document_ids=documents,
-                      strategy=loss_strategy(args, model.config))
+    loss = step_loss(model, args, input_ids, labels, positions, num_items, documents)
     (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
     return loss.detach()
 
 
-def check_cuda_graph(args: argparse.Namespace, config: DecoderConfig, world: int) -> None:
+def step_loss(model: CausalLM, args: argparse.Namespace, input_ids: torch.Tensor, labels: torch.Tensor,
+              positions: torch.Tensor, num_items: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+    """The training loss of one micro-batch on the device (eager, and inside ``--cuda-graph``'s capture)."""
+    return model.loss(input_ids, labels, num_items=num_items, position_ids=positions, document_ids=documents,
+                      strategy=loss_strategy(args, model.config))
+
+
+def check_cuda_graph(args: argparse.Namespace, config: DecoderConfig, world: int, device: torch.device) -> None:
     """TrainError naming what ``--cuda-graph`` cannot capture: several ranks, fp32, or attention within documents
     that FlashAttention's variable-length kernel does not take (soft-capping, dropout, another head size)."""
     if not args.cuda_graph:
@@ -682,8 +688,8 @@ def check_cuda_graph(args: argparse.Namespace, config: DecoderConfig, world: int
     if args.dtype != "bf16":
         raise TrainError("--cuda-graph needs --dtype bf16 (the captured attention is FlashAttention's)")
     if args.attention == "documents":
-        probe = torch.empty(1, 1, 1, config.head_dim, dtype=torch.bfloat16, device="cuda")
-        if config.attn_softcap is not None or not flash_varlen_applies(probe, config.attention_dropout):
+        if config.attn_softcap is not None or not flash_varlen_takes(device, torch.bfloat16, config.head_dim,
+                                                                     config.attention_dropout):
             raise TrainError(f"--cuda-graph: {config.model_type}'s attention within documents does not run through "
                              "FlashAttention's variable-length kernel (soft-capping, dropout or head_dim "
                              f"{config.head_dim}); use --attention causal or leave out --cuda-graph")
@@ -696,10 +702,10 @@ class GraphedStep:
 
     The capture fixes the shapes: the batch's ids, labels and positions, and the documents' bounds padded to
     ``--graph-documents`` sequences per row with the row length as the longest (:meth:`Documents.padded`: the
-    padding is empty sequences); a batch with more documents runs eagerly instead (``fits``). Each param
-    group's learning rate lives in a device tensor that every call fills from the schedule's float. The first
-    call captures (three warm-up steps at learning rate 0 first, which leave the weights and the optimiser as
-    they were), then replays: every step is the eager step's arithmetic."""
+    padding is empty sequences); a batch with more documents runs eagerly instead (:meth:`inputs` gives None).
+    Each param group's learning rate lives in a device tensor that every call fills from the schedule's float.
+    The first call captures (three warm-up steps at learning rate 0 first, which leave the weights and the
+    optimiser as they were), then replays: every step is the eager step's arithmetic."""
 
     def __init__(self, model: CausalLM, optimizer: AdamW, args: argparse.Namespace, device: torch.device):
         self.model, self.optimizer, self.args, self.device = model, optimizer, args, device
@@ -712,8 +718,7 @@ class GraphedStep:
         """The step's loss from the captured buffers (the eager step's ``model.loss`` call)."""
         documents = None if cu_seqlens is None else Documents(document_ids_from_positions(positions), cu_seqlens,
                                                               self.args.seq_len)
-        return self.model.loss(input_ids, labels, num_items=num_items, position_ids=positions,
-                               document_ids=documents, strategy=loss_strategy(self.args, self.model.config))
+        return step_loss(self.model, self.args, input_ids, labels, positions, num_items, documents)
 
     def inputs(self, batch: tuple[torch.Tensor, ...], num_items: torch.Tensor) -> list[torch.Tensor] | None:
         """The host batch as the graph's inputs (pinned host tensors and the device token count), or None when
@@ -1092,9 +1097,7 @@ class StepProfiler:
         nothing else runs (communication that computation does not hide)."""
         comm, compute = [], []
         for e in self.prof.events():
-            kind = getattr(e, "activity_type", None) or None  # kineto's type; a sync wait or annotation is no work
-            if (e.device_type != torch.autograd.DeviceType.CUDA or kind not in (None, *self.DEVICE_WORK)
-                    or getattr(e, "is_user_annotation", False) or e.name == "Context Sync"):
+            if not self.device_work(e):
                 continue
             span = (e.time_range.start, e.time_range.end)
             (comm if "nccl" in e.name.lower() else compute).append(span)
@@ -1106,6 +1109,13 @@ class StepProfiler:
                 "idle_by_launch_site": [{"op": op, "site": site, "ms": round(us / n / 1e3, 3), "gaps": k // n}
                                         for op, site, us, k in self.idle_sites()[:15]]}
 
+    @classmethod
+    def device_work(cls, e) -> bool:
+        """Whether profiler event ``e`` is work on a GPU (a kernel, copy or fill), not a sync wait or annotation."""
+        kind = getattr(e, "activity_type", None) or None  # kineto's type (None where the build does not say)
+        return (e.device_type == torch.autograd.DeviceType.CUDA and kind in (None, *cls.DEVICE_WORK)
+                and not getattr(e, "is_user_annotation", False) and e.name != "Context Sync")
+
     def idle_sites(self) -> list[tuple[str, str, float, int]]:
         """:func:`idle_by_launch_site` over the profiled steps' device work and the host ops that launched it."""
         kernels, ops = [], {}
@@ -1113,8 +1123,7 @@ class StepProfiler:
             if e.device_type == torch.autograd.DeviceType.CPU:
                 if not getattr(e, "linked_correlation_id", 0):  # a PyTorch op (not a runtime call)
                     ops[e.id] = (e.name, list(e.stack or []))
-            elif (getattr(e, "activity_type", None) or None) in (None, *self.DEVICE_WORK) \
-                    and not getattr(e, "is_user_annotation", False) and e.name != "Context Sync":
+            elif self.device_work(e):
                 kernels.append((e.time_range.start, e.time_range.end, getattr(e, "linked_correlation_id", 0)))
         return idle_by_launch_site(kernels, ops)
 
@@ -1242,7 +1251,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         check_resume(train_state, args, resume_from[1])
 
     # -- model, optimiser, schedule
-    check_cuda_graph(args, inputs.config, world)
+    check_cuda_graph(args, inputs.config, world, device)
     model = build_model(inputs, args, rank, world, device)
     dist.barrier()  # every rank has its inputs and weights: only now may --overwrite delete the old run
     if rank == 0 and args.overwrite:

@@ -17,6 +17,7 @@ through the interpreter like the rest of the suite.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -1053,18 +1054,25 @@ def test_cuda_graph_flags_are_refused_where_no_graph_can_run(argv, message, caps
     assert message in capsys.readouterr().err
 
 
-def test_cuda_graph_is_refused_on_several_ranks_and_in_fp32():
+def test_cuda_graph_is_refused_on_several_ranks_in_fp32_and_where_flashattention_cannot_attend():
     config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                            num_kv_heads=2)
+    cuda = torch.device("cuda")
     args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--device", "cpu"])
     args.cuda_graph, args.dtype = True, "bf16"
     with pytest.raises(TrainError, match="--cuda-graph runs on one rank"):
-        check_cuda_graph(args, config, world=2)
+        check_cuda_graph(args, config, world=2, device=cuda)
     args.dtype = "fp32"
     with pytest.raises(TrainError, match="--cuda-graph needs --dtype bf16"):
-        check_cuda_graph(args, config, world=1)
+        check_cuda_graph(args, config, world=1, device=cuda)
+    args.dtype = "bf16"
+    softcapped = dataclasses.replace(config, attn_softcap=50.0)
+    with pytest.raises(TrainError, match="attention within documents does not run through FlashAttention"):
+        check_cuda_graph(args, softcapped, world=1, device=cuda)
+    args.attention = "causal"
+    check_cuda_graph(args, softcapped, world=1, device=cuda)  # causal attention: no documents to capture
     args.cuda_graph = False
-    check_cuda_graph(args, config, world=2)  # nothing to check without the flag
+    check_cuda_graph(args, config, world=2, device=cuda)  # nothing to check without the flag
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
