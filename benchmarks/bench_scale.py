@@ -505,15 +505,16 @@ def results_path(args: argparse.Namespace, env: dict) -> str:
 
 
 def load_previous(path: str, host: str) -> dict:
-    """The rows and notes of an earlier invocation written to ``path`` on this host (none if no such file)."""
+    """The rows, notes and torchtitan package versions of an earlier invocation written to ``path`` on this
+    host (none if no such file)."""
     if not os.path.isfile(path):
-        return {"rows": [], "notes": []}
+        return {"rows": [], "notes": [], "titan_packages": {}}
     with open(path) as f:
         old = json.load(f)
     if old.get("host") != host:
         raise SystemExit(f"error: {path} holds runs of host {old.get('host')!r}, not {host!r}: pass another --tag "
                          "(targets compare runs of one machine)")
-    return {"rows": old.get("rows", []), "notes": old.get("notes", [])}
+    return {"rows": old.get("rows", []), "notes": old.get("notes", []), "titan_packages": old.get("titan_packages", {})}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -573,7 +574,7 @@ def main(argv: list[str] | None = None) -> None:
                          "warmup_steps_dropped": args.warmup, "attention": args.attention, "lr": LR,
                          "doc_tokens_mean": args.doc_tokens, "dtype": args.dtype, "device": args.device,
                          "flops_per_token": fpt, "peak_flops": peak},
-            "titan_packages": titan_info, "targets": TARGETS, "checks": targets(all_rows),
+            "titan_packages": titan_info or previous["titan_packages"], "targets": TARGETS, "checks": targets(all_rows),
             "notes": list(dict.fromkeys(notes)),
             "rows": all_rows}
         print(f"wrote {write_results(os.path.basename(path)[:-5], payload, out_dir=args.results)}", flush=True)

@@ -344,33 +344,42 @@ def _shape(r: dict) -> tuple:
     return r["model"], r["batch"], r.get("ac", "none")
 
 
-def _train_runs() -> list[dict]:
-    """``train-*.json`` (benchmarks/bench_train.py), newest first, each keeping the shapes no newer file compared:
-    a file counts for a shape only where it ran a transformers Trainer beside ligermodels.train (a comparison in
-    one lease); its rows of other shapes are left to :func:`_loop_only_runs`."""
+def _compared_runs(prefix: str, comparison: tuple[str, ...]) -> list[dict]:
+    """``<prefix>-*.json`` (benchmarks/bench_train.py), newest first, each keeping the shapes no newer file
+    compared: a file counts for a shape only where it ran one of the ``comparison`` implementations (a
+    transformers Trainer) beside ligermodels.train, a comparison in one lease; its rows of other shapes are
+    left to :func:`_alone_runs`."""
     seen: set = set()
     out = []
-    for data in _files("train"):
-        compared = {_shape(r) for r in data["rows"] if r["impl"] in _COMPARISON_IMPLS}
-        rows = [r for r in data["rows"] if _shape(r) in compared - seen]
+    for data in _files(prefix):
+        compared = {_shape(r) for r in data.get("rows", []) if r["impl"] in comparison}
+        rows = [r for r in data.get("rows", []) if _shape(r) in compared - seen]
         seen |= compared
         if rows:
             out.append({**data, "rows": rows})
     return out
 
 
-def _loop_only_runs() -> list[dict]:
-    """Rows of ``train-*.json`` files that ran ligermodels.train at a shape without a Trainer beside it (no
+def _alone_runs(prefix: str, comparison: tuple[str, ...]) -> list[dict]:
+    """Rows of ``<prefix>-*.json`` files that ran ligermodels.train at a shape without a Trainer beside it (no
     comparison of their own): the newest row of each shape and run, newest file first."""
     seen: set = set()
     out = []
-    for data in _files("train"):
-        compared = {_shape(r) for r in data["rows"] if r["impl"] in _COMPARISON_IMPLS}
-        rows = [r for r in data["rows"] if _shape(r) not in compared and (*_shape(r), r["impl"]) not in seen]
+    for data in _files(prefix):
+        compared = {_shape(r) for r in data.get("rows", []) if r["impl"] in comparison}
+        rows = [r for r in data.get("rows", []) if _shape(r) not in compared and (*_shape(r), r["impl"]) not in seen]
         seen |= {(*_shape(r), r["impl"]) for r in rows}
         if rows:
             out.append({**data, "rows": rows})
     return out
+
+
+def _train_runs() -> list[dict]:
+    return _compared_runs("train", _COMPARISON_IMPLS)
+
+
+def _loop_only_runs() -> list[dict]:
+    return _alone_runs("train", _COMPARISON_IMPLS)
 
 
 _TRAIN_IMPLS = {"ligermodels": "`python -m ligermodels.train`", "ligermodels-causal": "the same, `--attention causal`",
@@ -432,23 +441,24 @@ def _checks_table(runs: list[dict], names: dict[str, str], at_most: tuple[str, .
 
 
 def _lora_runs() -> list[dict]:
-    """``lora-*.json`` (benchmarks/bench_train.py --lora), newest first, each keeping the shapes (model, batch,
-    activation checkpointing) and max-batch searches (impl, model, seq, activation checkpointing) that no
-    newer file measured; files left with neither are dropped."""
-    seen, seen_fits = set(), set()
+    """``lora-*.json`` (benchmarks/bench_train.py --lora), newest first: the shapes each file compared with a
+    Trainer + PEFT that no newer file compared (:func:`_compared_runs`), and the max-batch searches (impl,
+    model, seq, activation checkpointing) no newer file made; files left with neither are dropped."""
+    compared = {d["_file"]: d["rows"] for d in _compared_runs("lora", _LORA_COMPARISON_IMPLS)}
+    seen_fits = set()
     out = []
     for data in _files("lora"):
-        shapes = {(r["model"], r["batch"], r.get("ac", "none")) for r in data.get("rows", [])}
-        rows = [r for r in data.get("rows", []) if (r["model"], r["batch"], r.get("ac", "none")) not in seen]
         keys = {(f["impl"], f["model"], f["seq"], f.get("ac", "none")) for f in data.get("max_batch", [])}
         fits = [f for f in data.get("max_batch", []) if (f["impl"], f["model"], f["seq"], f.get("ac", "none"))
                 not in seen_fits]
-        seen, seen_fits = seen | shapes, seen_fits | keys
+        seen_fits |= keys
+        rows = compared.get(data["_file"], [])
         if rows or fits:
             out.append({**data, "rows": rows, "max_batch": fits})
     return out
 
 
+_LORA_COMPARISON_IMPLS = ("hf+peft+liger", "hf+peft+compile", "hf+peft")
 _LORA_IMPLS = {"ligermodels-lora": "`python -m ligermodels.train --lora-rank ...`",
                "ligermodels-lora-graph": "the same, `--cuda-graph`",
                "hf+peft+liger": "Trainer + PEFT + Liger-Kernel", "hf+peft+compile": "Trainer + PEFT + torch.compile",
@@ -505,18 +515,20 @@ def lora_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def loop_only_table(runs: list[dict], compared: list[dict]) -> str:
-    """ligermodels.train alone (``_loop_only_runs``): its runs of a lease without a Trainer, each shape's step
-    cost of attending within documents from the same lease, and, for reference only, the Trainer runs of the
-    comparison table at that shape (another lease, so not a target check)."""
+def loop_only_table(runs: list[dict], compared: list[dict], lora: bool = False) -> str:
+    """ligermodels.train alone (:func:`_alone_runs`; ``lora``: of ``lora-*.json``): its runs of a lease without a
+    Trainer, each shape's step cost of attending within documents from the same lease, and, for reference only,
+    the Trainer runs of the comparison table at that shape (another lease, so not a target check)."""
     d = runs[0]
     files = ", ".join(f"`{r['_file']}`" for r in runs)
+    names, comparison = (_LORA_IMPLS, _LORA_COMPARISON_IMPLS) if lora else (_TRAIN_IMPLS, _COMPARISON_IMPLS)
     trainers = {}
     for run in compared:
         for r in run["rows"]:
-            if r["impl"] in _COMPARISON_IMPLS and "error" not in r:
+            if r["impl"] in comparison and "error" not in r:
                 trainers.setdefault(_shape(r), []).append(r)
-    lines = ["**ligermodels.train alone**, newer than the comparison above or at shapes it lacks (no Trainer ran in "
+    what = "ligermodels.train --lora-rank" if lora else "ligermodels.train"
+    lines = [f"**{what} alone**, newer than the comparison above or at shapes it lacks (no Trainer ran in "
              f"these leases: the last column is the ratio to the fastest Trainer of the table above, another lease "
              f"and machine, for orientation, not a target check): {d['gpu']}, torch {d['torch']}, triton "
              f"{d['triton']}, {d['date']} ({files}).", "",
@@ -528,7 +540,7 @@ def loop_only_table(runs: list[dict], compared: list[dict]) -> str:
             by.setdefault(_shape(r), {})[r["impl"]] = r
             hf = trainers.get(_shape(r), [])
             fastest = max(hf, key=lambda x: x["tokens_per_s"]) if hf else None
-            head = f"| {r['model']} | {r['batch']} | {_TRAIN_IMPLS.get(r['impl'], r['impl'])} |"
+            head = f"| {r['model']} | {r['batch']} | {names.get(r['impl'], r['impl'])} |"
             if "error" in r:
                 lines.append(f"{head} {'out of memory' if r.get('oom') else 'failed'} | | |")
                 continue
@@ -570,6 +582,52 @@ def attention_table(files: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def scale_table(d: dict) -> str:
+    """Many GPUs (``scale-*.json``, benchmarks/bench_scale.py): ligermodels.train against torchtitan under
+    torchrun, per-GPU tokens/s, MFU and peak memory of each run, each run's per-GPU rate against its own one-GPU
+    rate, and the issue's targets (speed and memory against torchtitan + compile, scaling)."""
+    st = d["settings"]
+    titan = d.get("titan_packages", {}).get("torchtitan", "0.2.2")
+    lines = [f"**Many GPUs** (`benchmarks/bench_scale.py`): `torchrun -m ligermodels.train` against torchtitan "
+             f"{titan} on {d['model']}, FSDP2 with bf16 compute and fp32 gradient reduction, {st['batch_size']} x "
+             f"{st['seq_len']} tokens per GPU a step ({st['attention']} attention), AdamW, clipping 1.0, median of "
+             f"steps {st['warmup_steps_dropped'] + 1}-{st['steps']}, the runs one after the other on one machine: "
+             f"{_env(d)}. MFU: the same flop count for both sides against 989 TFLOP/s. Peak "
+             "memory of rank 0 (GB = 1e9 B): ours max allocated, torchtitan's max active bytes from its log.", "",
+             "| AC | run | GPUs | tokens/s per GPU | MFU | peak memory (GB) | per GPU vs 1 GPU |",
+             "|---|---|---|---|---|---|---|"]
+    ok = [r for r in d["rows"] if "error" not in r and r.get("role") != "split-check"]
+    one = {(r["label"], r["ac"]): r["tokens_per_s_per_gpu"] for r in ok if r["gpus"] == 1}
+    for r in sorted(d["rows"], key=lambda r: (r["ac"], r["label"], r["gpus"])):
+        head = f"| {r['ac']} | {r['label']} | {r['gpus']} |"
+        if "error" in r:
+            lines.append(f"{head} failed (see the JSON) | | | |")
+            continue
+        base = one.get((r["label"], r["ac"]))
+        scaling = f"{r['tokens_per_s_per_gpu'] / base:.3f}" if base and r["gpus"] > 1 else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+        lines.append(f"{head} {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} | {scaling} |")
+    goals = d["targets"]
+    checks = d.get("checks", {})
+    versus = [(k, c) for k, c in checks.items() if "speed_vs_titan_compile" in c]
+    if versus:
+        lines += ["", f"| GPUs:AC | fastest of ours | speed vs torchtitan + compile (target ≥ "
+                      f"{goals['speed_vs_titan_compile']}) | memory vs torchtitan + compile (target ≤ "
+                      f"{goals['memory_vs_titan_compile']}) | both hold |", "|---|---|---|---|---|"]
+        for k, c in versus:
+            memory = "-" if c["memory_vs_titan_compile"] is None else f"{c['memory_vs_titan_compile']:.3f}"
+            lines.append(f"| {k} | {c['ours']} | {c['speed_vs_titan_compile']:.3f} | {memory} | "
+                         f"{'holds' if c['holds'] else '**misses**'} |")
+    scaling = [(k, n, v) for k, c in checks.items() for n, v in c.items() if n.startswith("scaling_")]
+    if scaling:
+        lines += ["", "Scaling, per-GPU tokens/s against the same run on 1 GPU (targets: "
+                  + ", ".join(f"{n} GPUs ≥ {t}" for n, t in goals["scaling"].items()) + "): "
+                  + "; ".join(f"{k} on {n.split('_')[1]} GPUs {v['ratio']:.3f}"
+                              + ("" if v["holds"] is None else f" ({'holds' if v['holds'] else 'misses'})")
+                              for k, n, v in scaling) + "."]
+    return "\n".join(lines + _file_notes([d]))
+
+
 def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
     """The README's performance section: what users run (``train-*.json``, then the LoRA runs of
     ``lora-*.json``), then ``runs`` from ``_e2e_runs()`` (the bare step, the breakdown), then the latest of
@@ -586,11 +644,15 @@ def tables(runs: list[dict], e2e_pngs: dict[str, str] | None = None) -> str:
     for d in _lora_runs():
         lora_groups.setdefault((d.get("gpu"), d.get("date")), []).append(d)
     parts += [lora_table(sorted(g, key=lambda d: d["_file"])) for g in lora_groups.values()]
+    lora_alone = _alone_runs("lora", _LORA_COMPARISON_IMPLS)
+    if lora_alone:
+        parts.append(loop_only_table(lora_alone, _lora_runs(), lora=True))
     for d in runs:
         parts.append(e2e_table(d))
     if e2e_pngs:
         parts += [f"![training step: tokens/s and peak memory on {gpu}]({os.path.relpath(png, ROOT)})"
                   for gpu, png in e2e_pngs.items()]
+    parts += [scale_table(d) for d in _files("scale")]
     attention = _files("attention")
     if attention:
         parts.append(attention_table(attention))

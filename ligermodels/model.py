@@ -22,6 +22,22 @@ if TYPE_CHECKING:
     from ligermodels.generation import KVCacheStep
 
 
+class OutputHead(nn.Linear):
+    """The untied output projection, weight (V, H), with the chunked loss as a method of its own.
+
+    So FSDP2 can make the head a unit of its own (``register_fsdp_forward_method(head, "loss")``): its
+    gradient's reduce-scatter then starts as soon as backward has passed the head, under the layers'
+    backward, instead of waiting with the embedding's for the end of backward.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def loss(self, h: torch.Tensor, target: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`kernels.fused_linear_cross_entropy` of hidden states (N, H) against targets (N,)."""
+        return fused_linear_cross_entropy(h, self.weight, target, **options)
+
+
 class CausalLM(nn.Module):
     """A decoder-only language model described by a :class:`DecoderConfig`.
 
@@ -42,7 +58,7 @@ class CausalLM(nn.Module):
         self.rotary_local = None if c.local_rope is None else RotaryEmbedding(c.local_rope)
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.norm_offset, c.norm_casting)
-        self.head = None if c.tie_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.head = None if c.tie_embeddings else OutputHead(c.hidden_size, c.vocab_size)
 
     # ------------------------------------------------------------------------------ parameters
     @property
@@ -95,7 +111,7 @@ class CausalLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output logits (..., V) of final hidden states (..., H): the head, then ``final_softcap`` if set."""
-        z = F.linear(h, self.head_weight)
+        z = F.linear(h, self.embed.weight) if self.head is None else self.head(h)
         cap = self.config.final_softcap
         return z if cap is None else torch.tanh(z / cap) * cap
 
@@ -120,8 +136,11 @@ class CausalLM(nn.Module):
         if self.config.final_softcap is not None:
             loss_options.setdefault("softcap", self.config.final_softcap)
         target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-        return fused_linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight, target.reshape(-1),
-                                          ignore_index=ignore_index, num_items=num_items, **loss_options)
+        loss_options.update(ignore_index=ignore_index, num_items=num_items)
+        h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
+        if self.head is None:  # (through the head's own method, so FSDP2 gathers it when it is a unit)
+            return fused_linear_cross_entropy(h, self.embed.weight, target, **loss_options)
+        return self.head.loss(h, target, **loss_options)
 
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()

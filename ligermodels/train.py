@@ -36,7 +36,8 @@ resumed run repeats the uninterrupted run's steps exactly (it must repeat the fl
 Metrics: one JSON line per optimiser step in ``OUT/metrics.jsonl``: ``step`` (from 1), ``loss``
 (the global batch's mean), ``lr`` (used by this step), ``grad_norm`` (before clipping),
 ``tokens`` (tokens with a label in the global batch), ``tokens_per_s`` (all input tokens of the
-global batch, over all ranks, per second), ``mfu`` and ``peak_mem_gb`` (see :func:`flops_per_token`,
+global batch, over all ranks, per second of the step: on CUDA between events the stream records at the
+end of consecutive steps, see :class:`StepClock`), ``mfu`` and ``peak_mem_gb`` (see :func:`flops_per_token`,
 :func:`peak_memory_gb`). The host waits for the device once per step, to log.
 """
 
@@ -596,14 +597,17 @@ def load_full_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor],
 
 
 def shard(model: CausalLM, args: argparse.Namespace, world: int, device: torch.device) -> None:
-    """FSDP2 over ``world`` ranks: one unit per decoder layer, the root holding the embedding, final norm and head.
+    """FSDP2 over ``world`` ranks: one unit per decoder layer, one for an untied output head, the root holding
+    the embedding (with a tied head) and the final norm.
 
     bf16 compute with fp32 gradient reduction; the cos/sin tables stay fp32 (layer inputs are not cast).
+    The head is a unit of its own so that its gradient (a (V, H) fp32 reduce-scatter, 2.1 GB at Llama-3's
+    128k vocabulary) is reduced under the layers' backward; in the root it waited for the end of backward.
     ``--reshard-after-forward`` picks which layers free their gathered weights after forward (by default
-    all but the last, whose backward starts at once); ``--prefetch N`` makes each layer all-gather the next
-    N layers (in forward order, and in backward in reverse) as soon as its own gather is issued, instead of
-    FSDP2's implicit prefetching (one layer ahead in backward; in forward, a layer's gather is issued when
-    the host reaches it).
+    all but the last, whose backward starts at once; the head never); ``--prefetch N`` makes each unit
+    all-gather the next N (in forward order, and in backward in reverse) as soon as its own gather is
+    issued, instead of FSDP2's implicit prefetching (one unit ahead in backward; in forward, a unit's
+    gather is issued when the host reaches it).
     """
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if args.dtype == "bf16" else None,
@@ -612,13 +616,18 @@ def shard(model: CausalLM, args: argparse.Namespace, world: int, device: torch.d
     for i, layer in enumerate(layers):
         reshard = {"default": i < len(layers) - 1, "always": True, "never": False}[args.reshard_after_forward]
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    units = layers
+    if model.head is not None:
+        fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        register_fsdp_forward_method(model.head, "loss")  # the loss head calls loss(), not forward()
+        units = [*layers, model.head]
     fully_shard(model, mesh=mesh, mp_policy=mp)
     register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
     if args.prefetch:
         n = args.prefetch
-        for i, layer in enumerate(layers):
-            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 1 + n])
-            layer.set_modules_to_backward_prefetch(layers[max(0, i - n):i][::-1])
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + n])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - n):i][::-1])
 
 
 # ------------------------------------------------------------------------------------------ optimiser
@@ -909,6 +918,45 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+class StepClock:
+    """Each step's time, between the moments the device finished consecutive steps.
+
+    The loop reads a step's numbers only once the next step is queued, so the host's clock at a read says
+    when the host got there, not when the device finished: timing reads against each other was right in
+    the steady state but not for a step read at once (the last, a checkpoint's, the last profiled), which
+    then measured only the tail of its own work (the last step of a host-bound run showed millions of
+    tokens/s). On CUDA a step ends with an event on the stream and the time is the events' difference (GPU
+    idle between them included, so it is still the loop's throughput); on the CPU, where a step has run when
+    the call returns, a host clock read then. :meth:`restart` after a wait the next step should not pay
+    for (a checkpoint written, the profile processed): the device is idle, so its next step starts now.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.last = self.mark()
+
+    def mark(self) -> torch.cuda.Event | float:
+        """The end of the work queued so far."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, mark: torch.cuda.Event | float) -> float:
+        """Seconds from the previous step's mark to ``mark`` (waits for it), which becomes the previous."""
+        if self.cuda:
+            mark.synchronize()
+            dt = self.last.elapsed_time(mark) / 1e3
+        else:
+            dt = mark - self.last
+        self.last = mark
+        return dt
+
+    def restart(self) -> None:
+        self.last = self.mark()
+
+
 class Progress:
     """Rank 0's progress: a ``\\r`` status line on a terminal (kept every ``every`` steps), plain lines otherwise."""
 
@@ -1023,7 +1071,12 @@ class StepProfiler:
     writes ``OUT/profile.txt``: the profiled steps' wall time, the GPU's busy time by kernel category
     and the rest (the GPU idle: host work, syncs, launch gaps), the communication (NCCL kernels) that
     no computation overlaps, then the top kernels; and ``OUT/profile.json``, the same totals per step as
-    numbers (for benchmarks)."""
+    numbers (for benchmarks).
+
+    The memory at the peak (the allocator's trace with Python stacks) is recorded on one rank only: on two
+    H100s under FSDP2 (torch 2.11) the Python tracer and the allocator's Python stacks together made an
+    autograd Function's ``apply`` return NULL without an exception, and both ranks aborted at the first
+    profiled step; without the allocator trace the same run profiles."""
 
     #: Kernel-name patterns -> category, first match wins.
     CATEGORIES = (("attention", r"flash|fmha|attention|_attn|sdpa|flex"),  # before matmul: FlashAttention's
@@ -1055,8 +1108,9 @@ class StepProfiler:
             self.prof = profile(activities=activities, with_stack=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-                self.mem_base = torch.cuda.memory_allocated(device)
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+                if not (dist.is_initialized() and dist.get_world_size() > 1):  # see the class docstring
+                    self.mem_base = torch.cuda.memory_allocated(device)
+                    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             self.prof.__enter__()
             self.t0 = time.perf_counter()
 
@@ -1300,17 +1354,16 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         torch.set_num_threads(1)
     graphed = GraphedStep(model, optimizer, args, device) if args.cuda_graph else None
     warned_eager = False
-    pending: list[tuple[int, torch.Tensor, float]] = []  # (step, [loss, tokens, grad norm] on device, lr)
-    t_read = time.perf_counter()
+    # (step, [loss, tokens, grad norm] on device, lr, the step's end on the clock)
+    pending: list[tuple[int, torch.Tensor, float, torch.cuda.Event | float]] = []
+    clock = StepClock(device)
 
     def read_step() -> None:
         """Wait for the oldest pending step, write its metrics line, stop on a non-finite loss or norm."""
-        nonlocal t_read
-        done, stats, lr = pending.pop(0)
+        done, stats, lr, end = pending.pop(0)
         loss_v, tokens_v, norm_v = stats.tolist()  # the sync
-        profiler.after(done, os.path.join(args.out, "profile.txt"), rank)  # (its seconds go to this step, profiled)
-        now = time.perf_counter()
-        dt, t_read = now - t_read, now
+        dt = clock.seconds(end)
+        profiler.after(done, os.path.join(args.out, "profile.txt"), rank)
         m = {"step": done, "loss": loss_v, "lr": lr, "grad_norm": norm_v, "tokens": int(tokens_v),
              "tokens_per_s": tokens_per_step / dt,
              "mfu": None if peak is None else flops * tokens_per_step / dt / (peak * world),
@@ -1353,7 +1406,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         step, rows_consumed = step + 1, rows_consumed + global_rows
         if pending:
             read_step()  # the previous step, now that this one is queued
-        pending.append((step, torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]), lr))
+        pending.append((step, torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]), lr, clock.mark()))
         due = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
         if due or step == args.steps or profiler.wants(step):
             read_step()
@@ -1362,6 +1415,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                      **{key: getattr(args, key) for key in RESUME_FLAGS}, "world_size": world,
                      **args.resume_inputs, "model": _place(args.model), "data": _place(args.data)}
             save_checkpoint(args.out, step, model, optimizer, state, rank, device, args.keep_checkpoints)
+        if not pending:  # read at once (and maybe a checkpoint or the profile after): the device is idle
+            clock.restart()
 
     torch.set_num_threads(threads)
 
@@ -1383,5 +1438,22 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         print(f"additions answered right: {right}/{len(tests)}")
 
 
+def exit_ranks_now() -> None:
+    """End a process of a multi-rank run that finished (its files written and closed, the process group
+    destroyed) without the interpreter's teardown.
+
+    With several gloo ranks, about one run in twenty on a loaded 2-core machine ended with a rank killed by
+    SIGABRT ("terminate called without an active exception") after ``main`` had returned: the process group's
+    C++ threads meet the interpreter's finalization (pytorch/pytorch#179291 describes the same race), so a
+    run that had written everything was reported failed. Nothing is left to do once ``main`` returns, so the
+    process exits here with status 0 after flushing its output.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_ranks_now()

@@ -194,9 +194,10 @@ def test_rows_of_an_earlier_invocation_are_kept_unless_measured_again(tmp_path):
     assert [(r["label"], r["ac"], r["tokens_per_s_per_gpu"]) for r in merged] == [
         ("titan", "selective", 2.0), ("ours", "full", 3.0), ("ours", "selective", 4.0)]
     path = tmp_path / "scale.json"
-    assert bs.load_previous(str(path), "gpu-host") == {"rows": [], "notes": []}
-    path.write_text(json.dumps({"host": "gpu-host", "rows": old, "notes": ["n"]}))
-    assert bs.load_previous(str(path), "gpu-host") == {"rows": old, "notes": ["n"]}
+    assert bs.load_previous(str(path), "gpu-host") == {"rows": [], "notes": [], "titan_packages": {}}
+    titan = {"torchtitan": "0.2.2"}  # kept when a later invocation runs ours only
+    path.write_text(json.dumps({"host": "gpu-host", "rows": old, "notes": ["n"], "titan_packages": titan}))
+    assert bs.load_previous(str(path), "gpu-host") == {"rows": old, "notes": ["n"], "titan_packages": titan}
     with pytest.raises(SystemExit, match="holds runs of host 'gpu-host', not 'other': pass another --tag"):
         bs.load_previous(str(path), "other")
 
@@ -219,3 +220,23 @@ def test_tiny_run_of_ours_writes_its_row_and_skips_titan_and_absent_gpus(tmp_pat
     assert result["model_config"]["num_hidden_layers"] == 2 and result["host"]
     assert os.listdir(tmp_path / "data") == ["data.jsonl"]  # torchtitan reads the whole directory
     assert not (tmp_path / "runs" / "ours-n1-none" / "final").exists()
+
+
+def test_report_renders_a_scaling_file_with_its_targets():
+    """The README's many-GPU table: each run's per-GPU rate against its own one-GPU rate, a failed run named as
+    failed, and the targets of bench_scale's checks."""
+    from benchmarks import report
+
+    rows = [_row("ours", 1, 100.0, 40.0), _row("ours", 2, 90.0, 30.0), _row("titan+compile", 1, 80.0, 42.0),
+            _row("titan+compile", 2, 78.0, 25.0), {**_row("ours+compile", 2, 0.0, 0.0), "error": "exit 1"}]
+    d = {"gpu": "H100", "torch": "2.11", "triton": "3.6", "date": "2026-12-01", "_file": "scale.json",
+         "model": "Llama-3.1-8B shape, 8 layers, random init",
+         "settings": {"batch_size": 1, "seq_len": 8192, "steps": 12, "warmup_steps_dropped": 4, "attention": "causal"},
+         "targets": bs.TARGETS, "checks": bs.targets(rows), "rows": rows, "notes": ["a note"]}
+    text = report.scale_table(d)
+    assert "| selective | ours | 2 | 90 | - | 30.0 | 0.900 |" in text
+    assert "| selective | ours+compile | 2 | failed (see the JSON) | | | |" in text
+    assert "| 1:selective | ours | 1.250 | 0.952 | holds |" in text
+    assert "| 2:selective | ours | 1.154 | 1.200 | **misses** |" in text
+    assert "ours:selective on 2 GPUs 0.900 (misses); titan+compile:selective on 2 GPUs 0.975 (holds)" in text
+    assert "Note (`scale.json`): a note" in text

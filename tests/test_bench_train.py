@@ -348,3 +348,26 @@ def test_report_keeps_a_shapes_comparison_and_lists_newer_runs_without_a_trainer
     assert "| m | 4 | `python -m ligermodels.train` | 110 | 30.0 | 1.375 (hf+compile) |" in text
     assert "| m | 4 | cost of attending within documents (same lease) | 0.100 | | |" in text
     assert "| n | 4 | `python -m ligermodels.train` | 50 | 30.0 | - |" in text
+
+
+def test_report_keeps_a_lora_comparison_when_a_newer_file_ran_ours_alone(tmp_path, monkeypatch):
+    """As for full training: a newer LoRA file without Trainer + PEFT rows (ours eagerly and with --cuda-graph)
+    leaves the older comparison in the LoRA table and lists its rows apart, named as LoRA runs."""
+    from benchmarks import report
+
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "transformers": "5.17"}
+    args = bt.parse_args(["--out", "o", "--lora", "--runs", "qwen2-7b:4", "--steps", "16"])
+    settings = bt.lora_settings(args, 200, 3000)
+    compared = [_row("ligermodels-lora", 13000.0, 40.0), _row("hf+peft+compile", 10000.0, 60.0)]
+    alone = [_row("ligermodels-lora", 13500.0, 40.0), _row("ligermodels-lora-graph", 13400.0, 40.1)]
+    for name, rows in (("lora-H100-2026-12-01.json", compared), ("lora-H100-2026-12-02.json", alone)):
+        payload = {**env, "date": name[-15:-5], **bt.merge_lora_results({}, rows, [], settings, "x")}
+        (tmp_path / name).write_text(json.dumps(payload))
+    monkeypatch.setattr(report, "RESULTS", str(tmp_path))
+    runs = report._lora_runs()
+    assert [(r["impl"], r["tokens_per_s"]) for d in runs for r in d["rows"]] == \
+        [("ligermodels-lora", 13000.0), ("hf+peft+compile", 10000.0)]
+    text = report.loop_only_table(report._alone_runs("lora", report._LORA_COMPARISON_IMPLS), runs, lora=True)
+    assert "**ligermodels.train --lora-rank alone**" in text
+    assert "| m | 4 | `python -m ligermodels.train --lora-rank ...` | 13,500 | 40.0 | 1.350 (hf+peft+compile) |" in text
+    assert "| m | 4 | the same, `--cuda-graph` | 13,400 | 40.1 | 1.340 (hf+peft+compile) |" in text

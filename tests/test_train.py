@@ -365,6 +365,12 @@ def test_metrics_lines(run_two):
     assert m["mfu"] is None and m["tokens_per_s"] > 0 and m["peak_mem_gb"] > 0
 
 
+def test_the_last_step_is_timed_like_the_others(run_one):
+    # It is read at once, not behind a queued step: timed from the host's read, it measured almost nothing
+    speeds = [m["tokens_per_s"] for m in _metrics(run_one)]
+    assert speeds[-1] < 5 * max(speeds[1:-1]), speeds
+
+
 def test_resume_reproduces_the_uninterrupted_run(run_two, run_resumed):
     two, resumed = _metrics(run_two), _metrics(run_resumed)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
