@@ -138,9 +138,9 @@ class CausalLM(nn.Module):
         target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
         loss_options.update(ignore_index=ignore_index, num_items=num_items)
         h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
-        if self.head is None:  # (through the head's own method, so FSDP2 gathers it when it is a unit)
+        if self.head is None:
             return fused_linear_cross_entropy(h, self.embed.weight, target, **loss_options)
-        return self.head.loss(h, target, **loss_options)
+        return self.head.loss(h, target, **loss_options)  # its own method: FSDP2 gathers it when it is a unit
 
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()
