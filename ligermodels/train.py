@@ -1361,8 +1361,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     def read_step() -> None:
         """Wait for the oldest pending step, write its metrics line, stop on a non-finite loss or norm."""
         done, stats, lr, end = pending.pop(0)
-        loss_v, tokens_v, norm_v = stats.tolist()  # the sync
-        dt = clock.seconds(end)
+        dt = clock.seconds(end)  # the sync: waits for this step's end, not for the step queued behind it
+        loss_v, tokens_v, norm_v = stats.tolist()  # on the host by now
         profiler.after(done, os.path.join(args.out, "profile.txt"), rank)
         m = {"step": done, "loss": loss_v, "lr": lr, "grad_norm": norm_v, "tokens": int(tokens_v),
              "tokens_per_s": tokens_per_step / dt,
@@ -1406,7 +1406,10 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         step, rows_consumed = step + 1, rows_consumed + global_rows
         if pending:
             read_step()  # the previous step, now that this one is queued
-        pending.append((step, torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]), lr, clock.mark()))
+        # the step's numbers go to pinned host memory in the stream's order: reading them waits for this step's
+        # end event only (a plain .tolist() would queue behind the next step and drain the GPU at every read)
+        stats = torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]).to("cpu", non_blocking=True)
+        pending.append((step, stats, lr, clock.mark()))
         due = args.save_every > 0 and (step % args.save_every == 0 or step == args.steps)
         if due or step == args.steps or profiler.wants(step):
             read_step()
