@@ -7,8 +7,11 @@ views of one packed projection buffer as the decoder layer passes them:
 
 * ``cudnn-causal``: ``causal_attention`` without documents: SDPA ``is_causal`` (cuDNN), across whole rows,
   the step's attention when documents are ignored (``ligermodels.train --attention causal``);
-* ``flash-documents``: ``causal_attention`` with :class:`ligermodels.Documents`: FlashAttention-2's
-  variable-length kernel (the default on CUDA in bf16);
+* ``triton-documents``: ``causal_attention`` with :class:`ligermodels.Documents` through this package's kernel
+  (:func:`kernels.document_attention`, the default on CUDA in bf16 at head dims 64 and 128), and
+  ``triton-documents <tiles>`` with other tiles (``--triton-configs``);
+* ``flash-documents``: the same through FlashAttention-2's variable-length kernel (the default at other head
+  dims);
 * ``flex-documents``: the same through FlexAttention with the block mask built from the document bounds
   (``LIGERMODELS_MASKED_ATTENTION=flex``, and what fp32 uses), mask built once outside the timing (in a
   training forward it is built once and shared by every layer: its build time is a separate row);
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 
 import torch
@@ -100,7 +104,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
-def run_shape(name: str, flex_options: list[dict], check: bool) -> list[dict]:
+def run_shape(name: str, flex_options: list[dict], check: bool, triton_configs: list[dict] = ()) -> list[dict]:
     """Every implementation at one shape: result rows (and the block-mask build time)."""
     from benchmarks.harness import kernel_ms
 
@@ -140,6 +144,9 @@ def run_shape(name: str, flex_options: list[dict], check: bool) -> list[dict]:
     # (impl, masked-attention setting, FlexAttention options, attention of q/k/v, within documents?)
     impls = [("cudnn-causal" if softcap is None else "flex-causal", "flash", None, whole_rows, False)]
     if softcap is None:
+        impls += [("triton-documents", "triton", None, within_documents, True)]
+        impls += [(f"triton-documents {json.dumps(c, separators=(',', ':'))}", "triton", c, within_documents, True)
+                  for c in triton_configs]
         impls += [("flash-documents", "flash", None, within_documents, True),
                   ("cudnn-documents (experiment)", "flash", None, cudnn_documents, True)]
     impls.append(("flex-documents", "flex", None, within_documents, True))
@@ -149,9 +156,16 @@ def run_shape(name: str, flex_options: list[dict], check: bool) -> list[dict]:
     ref = None
     rows = []
     defaults = dict(attention.FLEX_KERNEL_OPTIONS)
+    masked_default = attention.MASKED_ATTENTION
+    head_dims = attention.TRITON_HEAD_DIMS
     for impl, masked, opts, attend, documents_on in impls:
         attention.MASKED_ATTENTION = masked
-        attention.FLEX_KERNEL_OPTIONS = {**defaults, d: opts} if opts else defaults
+        attention.TRITON_HEAD_DIMS = (d,) if masked == "triton" else head_dims  # measured at every head dim
+        if masked == "triton" and opts:
+            os.environ["LIGERMODELS_DOC_ATTENTION_CONFIG"] = json.dumps(opts)
+        else:
+            os.environ.pop("LIGERMODELS_DOC_ATTENTION_CONFIG", None)
+        attention.FLEX_KERNEL_OPTIONS = {**defaults, d: opts} if opts and masked == "flex" else defaults
         attention._compiled_flex = None  # a fresh compile per option set
         row = {"shape": name, "impl": impl, "batch": b, "seq": SEQ, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
                "softcap": softcap, "documents": len(lengths), "mean_document": round(sum(lengths) / len(lengths), 1)}
@@ -168,13 +182,19 @@ def run_shape(name: str, flex_options: list[dict], check: bool) -> list[dict]:
                 row["out_rel_err"] = round(rel(out[:1], ref[1]), 6)
                 row["dqkv_rel_err"] = round(rel(qkv.grad[:1], ref[2]), 6)
             ms = kernel_ms(fn, reps=20, warmup=3)
+            with torch.no_grad():
+                fwd_ms = kernel_ms(lambda attend=attend: attend(*split(qkv)), reps=20, warmup=3)
             flops = 14 * d * hq * pairs
-            row |= {"fwd_bwd_ms": round(ms, 4), "useful_tflops": round(flops / ms / 1e9, 1), "pairs": pairs}
+            row |= {"fwd_bwd_ms": round(ms, 4), "fwd_ms": round(fwd_ms, 4),
+                    "useful_tflops": round(flops / ms / 1e9, 1),
+                    "fwd_tflops": round(4 * d * hq * pairs / fwd_ms / 1e9, 1), "pairs": pairs}
         except Exception as e:  # noqa: BLE001 - a config that does not compile is a result row too
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), flush=True)
         rows.append(row)
-    attention.MASKED_ATTENTION, attention.FLEX_KERNEL_OPTIONS, attention._compiled_flex = "flash", defaults, None
+    attention.MASKED_ATTENTION, attention.FLEX_KERNEL_OPTIONS, attention._compiled_flex = masked_default, defaults, None
+    attention.TRITON_HEAD_DIMS = head_dims
+    os.environ.pop("LIGERMODELS_DOC_ATTENTION_CONFIG", None)
 
     from ligermodels.attention import document_block_mask
     build = kernel_ms(lambda: document_block_mask(documents.ids, None, SEQ, b, torch.device("cuda")), reps=20)
@@ -190,6 +210,9 @@ def main(argv=None) -> None:
                     help='JSON list of FlexAttention kernel_options dicts to try, e.g. \'[{"bwd_num_warps": 8}]\'')
     ap.add_argument("--flex-shapes", nargs="+", default=["gemma2-2b:4"], choices=list(SHAPES),
                     help="the shapes --flex-options are tried at")
+    ap.add_argument("--triton-configs", default="[]",
+                    help='JSON list of kernels.attention tile sets to try at every shape without soft-capping, e.g. '
+                         '\'[{"fwd": [128, 64, 8, 3], "kv": [64, 128, 8, 3], "q": [128, 64, 8, 3]}]\'')
     ap.add_argument("--no-check", action="store_true", help="skip the float64 comparison")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ap.add_argument("--tag", default="")
@@ -201,7 +224,7 @@ def main(argv=None) -> None:
     rows = []
     for name in args.shapes:
         options = json.loads(args.flex_options) if name in args.flex_shapes else []
-        rows += run_shape(name, options, not args.no_check)
+        rows += run_shape(name, options, not args.no_check, json.loads(args.triton_configs))
         gpu = (env.get("gpu") or "cpu").replace(" ", "_")
         path = write_results(f"attention-{gpu}-{env['date']}{args.tag}",
                              {"benchmark": "attention within packed documents vs causal over whole rows, per layer",

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.attention import document_attention, document_bounds
+
 
 def document_ids_from_positions(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, S) document ids from positions that restart at 0 at each document start (no host sync)."""
@@ -151,6 +153,14 @@ class AttentionMask:
         if spans.cu_seqlens.device != device:  # host-built bounds: moved once, for every layer
             spans = self.cache["varlen"] = spans.to(device)
         return spans.cu_seqlens, spans.max_len
+
+    def bounds(self, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts, ends) (B, S) int32 of :func:`kernels.attention.document_bounds`, on ``device``."""
+        if "bounds" not in self.cache:
+            ids = self.document_ids
+            self.cache["bounds"] = document_bounds(None if ids is None else to_device(ids, device), batch,
+                                                   self.seq_len, device)
+        return self.cache["bounds"]
 
     def allowed(self, window: int | None, device: torch.device) -> torch.Tensor:
         """Dense (B or 1, 1, S, S) bool mask: True where a query may attend to a key."""
@@ -293,17 +303,29 @@ def _flex_attention(q, k, v, block_mask, scale, enable_gqa, softcap=None):
                           kernel_options=FLEX_KERNEL_OPTIONS.get(q.shape[-1]) if tuned else None)
 
 
-#: Where masked attention (documents, windows) runs on CUDA: "flash" (FlashAttention-2's variable-length
-#: kernel where it applies, else FlexAttention) or "flex" (always FlexAttention). Env LIGERMODELS_MASKED_ATTENTION.
-MASKED_ATTENTION = os.environ.get("LIGERMODELS_MASKED_ATTENTION", "flash")
-if MASKED_ATTENTION not in ("flash", "flex"):
-    raise ValueError(f"LIGERMODELS_MASKED_ATTENTION={MASKED_ATTENTION!r}: choose 'flash' or 'flex'")
+#: Where masked attention (documents, windows) runs on CUDA: "triton" (this package's kernel,
+#: :func:`kernels.document_attention`, at the head dims of :data:`TRITON_HEAD_DIMS`, else as "flash"), "flash"
+#: (FlashAttention-2's variable-length kernel where it applies, else FlexAttention) or "flex" (always
+#: FlexAttention). Env LIGERMODELS_MASKED_ATTENTION.
+MASKED_ATTENTION = os.environ.get("LIGERMODELS_MASKED_ATTENTION", "triton")
+if MASKED_ATTENTION not in ("triton", "flash", "flex"):
+    raise ValueError(f"LIGERMODELS_MASKED_ATTENTION={MASKED_ATTENTION!r}: choose 'triton', 'flash' or 'flex'")
+
+#: Head dims where the Triton kernel measured faster than FlashAttention-2's varlen kernel (H100, bf16).
+TRITON_HEAD_DIMS = (64, 128)
+
+
+def triton_documents_takes(device: torch.device, dtype: torch.dtype, head_dim: int, dropout_p: float) -> bool:
+    """Whether masked attention of this kind runs through :func:`kernels.document_attention`: CUDA, bf16 / fp16,
+    a head dim of :data:`TRITON_HEAD_DIMS`, no dropout."""
+    return (MASKED_ATTENTION == "triton" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and head_dim in TRITON_HEAD_DIMS and dropout_p == 0.0)
 
 
 def flash_varlen_takes(device: torch.device, dtype: torch.dtype, head_dim: int, dropout_p: float) -> bool:
     """Whether FlashAttention-2's variable-length kernel takes queries of this kind: CUDA (compute capability
     8+), bf16 / fp16, head_dim a multiple of 8 up to 256, no dropout."""
-    return (MASKED_ATTENTION == "flash" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return (MASKED_ATTENTION != "flex" and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and head_dim % 8 == 0 and head_dim <= 256 and dropout_p == 0.0 and _capability(device)[0] >= 8)
 
 
@@ -387,6 +409,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
         with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, dropout_p=dropout_p,
                                                enable_gqa=gqa)
+    elif triton_documents_takes(q.device, q.dtype, q.shape[-1], dropout_p):
+        return document_attention(q, k, v, *mask.bounds(q.shape[0], q.device), window=window, scale=scale)
     elif flash_varlen_applies(q, dropout_p):
         return flash_varlen_attention(q, k, v, *mask.varlen(q.shape[0], q.device), window=window, scale=scale)
     elif q.is_cuda and dropout_p == 0.0 and q.shape[1] > FLEX_MIN_SEQ:

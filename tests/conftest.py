@@ -7,7 +7,8 @@ The interpreter (triton 3.6-3.9) converts fp32 to bf16 by truncating the mantiss
 GPU rounds to nearest-even. Left alone, every bf16 result on the CPU would carry about twice the
 rounding error it has on the GPU, and the "no worse than eager bf16" checks would measure the
 simulator rather than the kernels. So, in the interpreter only, fp32->bf16 conversion is made to
-round to nearest-even (through torch), as the hardware does.
+round to nearest-even (through torch), as the hardware does. Likewise ``tl.dot`` of bf16 tiles, which the
+interpreter computes on their bit patterns, is made to multiply their values (see below).
 """
 
 import os
@@ -31,3 +32,21 @@ if not torch.cuda.is_available():
 
     if _truncating_convert is not None:
         _interp._convert_float = _convert_float_rne
+
+    # The interpreter multiplies bf16 tiles in tl.dot as the raw uint16 bit patterns it stores them in
+    # (numbers in the hundreds of millions); the hardware multiplies the bf16 values and accumulates in fp32.
+    # bf16 -> fp32 is exact, so converting both tiles first gives the hardware's products.
+    _builder = getattr(_interp, "InterpreterBuilder", None)
+    _dot = getattr(_builder, "create_dot", None)
+
+    def _bf16_as_fp32(h):
+        if h.dtype.scalar == tl.bfloat16:
+            data = (h.data.astype(np.uint32) << 16).view(np.float32)
+            return _interp.TensorHandle(data, tl.float32)
+        return h
+
+    def _create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return _dot(self, _bf16_as_fp32(a), _bf16_as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    if _dot is not None:
+        _builder.create_dot = _create_dot_bf16
