@@ -10,6 +10,8 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
 - :mod:`kernels.norm_linear`: ``rms_norm_linear`` (norm + the projection reading it, norm output recomputed)
 - :mod:`kernels.rope`: ``apply_rope``, ``apply_rope_qkv_`` (in place on a packed q/k/v projection; partial and
   interleaved rotary), ``apply_qk_norm_rope_qkv_`` (q/k head RMSNorm + RoPE, in place)
+- :mod:`kernels.attention`: ``document_attention`` (causal attention within packed documents and a window),
+  ``document_bounds``
 - :mod:`kernels.glu`: ``swiglu``, ``geglu``, ``glu_linear`` (GLU + down projection, activation recomputed)
 - :mod:`kernels.low_rank`: ``LowRank``, ``lora_linear`` (LoRA adapters; ``rms_norm_linear`` and ``glu_linear``
   take a ``LowRank`` too)
@@ -19,6 +21,7 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
 
 from kernels._common import INTERPRET, use_triton
 from kernels.adamw import AdamW
+from kernels.attention import document_attention, document_bounds
 from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from kernels.glu import geglu, glu_linear, swiglu
 from kernels.low_rank import LowRank, lora_linear
@@ -28,4 +31,4 @@ from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
 
 __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_norm_linear", "apply_rope",
            "apply_rope_qkv_", "apply_qk_norm_rope_qkv_", "swiglu", "geglu", "glu_linear", "LowRank", "lora_linear",
-           "cross_entropy", "fused_linear_cross_entropy", "AdamW"]
+           "cross_entropy", "fused_linear_cross_entropy", "AdamW", "document_attention", "document_bounds"]

@@ -9,16 +9,19 @@ document masking, through PyTorch's fused attention kernels.
   A backend that cannot take a call falls through to the next one.
   Grouped-query attention uses ``enable_gqa``, so k/v are never repeated in memory.
 * A sliding window shorter than the sequence, or packed documents (attention must not cross a
-  document boundary), need more than ``is_causal``. On CUDA in bf16/fp16 (head_dim a multiple of 8, at
-  most 256, no dropout) that is FlashAttention-2's variable-length kernel, through PyTorch's own
-  ``aten._flash_attention_forward`` / ``_backward``: the (B, S) rows are flattened to B*S tokens and
-  each document is one sequence of ``cu_seqlens`` (:class:`Documents`), so no work is spent on pairs
-  across documents and no mask is built; a window is FlashAttention's ``window_size_left``. Elsewhere
+  document boundary), need more than ``is_causal``. On CUDA in bf16/fp16 at head dims 64 and 128 (no
+  dropout) that is this package's kernel, :func:`kernels.document_attention`: per-token document bounds
+  (:meth:`AttentionMask.bounds`, from the ids on the device) and the window, tiles across documents
+  skipped; it measured faster than the next option there (``benchmarks/results/attention-*.json``). At
+  other head dims (a multiple of 8, at most 256) it is FlashAttention-2's variable-length kernel, through
+  PyTorch's own ``aten._flash_attention_forward`` / ``_backward``: the (B, S) rows are flattened to B*S
+  tokens and each document is one sequence of ``cu_seqlens`` (:class:`Documents`), so no work is spent on
+  pairs across documents and no mask is built; a window is FlashAttention's ``window_size_left``. Elsewhere
   on CUDA (fp32, other head dims), for sequences longer than one FlexAttention block (128), it is
   FlexAttention with a block-sparse mask (only the blocks that hold allowed pairs are computed); on
   other devices, and for short sequences where one block holds everything, a dense boolean mask
-  through SDPA. ``LIGERMODELS_MASKED_ATTENTION=flex`` sends the CUDA cases to FlexAttention instead
-  (for comparisons; ``benchmarks/bench_attention.py``).
+  through SDPA. ``LIGERMODELS_MASKED_ATTENTION=flash`` (or ``flex``) sends the CUDA cases to
+  FlashAttention-2 (or FlexAttention) instead (for comparisons; ``benchmarks/bench_attention.py``).
 
 A query at position q sees a key at position k when ``k <= q``, ``q - k < window`` and both lie in
 the same document (HF's sliding-window convention: the window counts the query itself).
