@@ -40,7 +40,8 @@ would divide by w). Backward, per head, with ``g`` the un-rotated output gradien
 
     dx = rstd * (g*(offset+w) - n * mean(g*(offset+w) * n))      dw = sum over tokens and heads of g * n
 
-each token program writes its fp32 (D,) partial dw (summed over its heads), summed over tokens after.
+each program (8 tokens, ``_NORM_BWD_TOKENS``) writes its fp32 (D,) partial dw (summed over its tokens
+and heads), summed over the programs after; the v heads are copied in the same launch.
 
 One program handles one token: it loads that token's cos / sin once, then rotates all q heads and
 then all kv heads, in tiles of up to ``_TILE`` elements per half.
@@ -68,6 +69,9 @@ from kernels.rms_norm import rms_norm_reference
 #: 1024 x 4 at 85-95%; 8 warps or larger tiles were slower.
 _TILE = 1024
 _WARPS = 4
+#: Tokens per program of the q/k-norm backward: its weight gradients are summed over them in registers,
+#: so the fp32 partials it writes are (B*S / 8, D) instead of one row per token.
+_NORM_BWD_TOKENS = 8
 
 
 # --------------------------------------------------------------------------------------- kernels
@@ -149,11 +153,14 @@ def _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_qh, n_kh,
+def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, v_ptr, vo_ptr, seq_len, n_qh, n_kh,
                  sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sqo_b, sqo_s, sqo_h, sko_b, sko_s, sko_h,
-                 sc_b, sc_s, ss_b, ss_s, half, n_rest,
+                 sv_b, sv_s, svo_b, svo_s, n_v, sc_b, sc_s, ss_b, ss_s, half, n_rest,
                  BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """One token: q / k heads rotated (out of place, or in place when the outputs alias the inputs); with
+    BLOCK_V > 0 its ``n_v`` contiguous elements at ``v_ptr`` (the v heads of a packed buffer) copied too."""
     tok = tl.program_id(0).to(tl.int64)
     b = tok // seq_len
     s = tok - b * seq_len
@@ -163,6 +170,13 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_qh, 
                   c1, c2, s1, s2, o1, o2, BLOCK_HQ, BLOCK_D, COPY_REST, BLOCK_R, INTERLEAVED)
     _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half, n_rest,
                   c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, COPY_REST, BLOCK_R, INTERLEAVED)
+    if BLOCK_V > 0:
+        v = tl.arange(0, BLOCK_V)
+        v_tok = v_ptr + b * sv_b + s * sv_s
+        vo_tok = vo_ptr + b * svo_b + s * svo_s
+        for v0 in range(0, n_v, BLOCK_V):
+            vm = v0 + v < n_v
+            tl.store(vo_tok + v0 + v, tl.load(v_tok + v0 + v, mask=vm), mask=vm)
 
 
 @triton.jit
@@ -216,12 +230,12 @@ def _norm_rope_heads(x_ptr, xs_ptr, rs_ptr, w_ptr, n_heads, stride_h, stride_xs_
 
 
 @triton.jit
-def _norm_rope_heads_bwd(dy_ptr, dx_ptr, xs_ptr, rs_ptr, w_ptr, dw_ptr, n_heads, stride_h, stride_xs_h, head_dim,
+def _norm_rope_heads_bwd(dy_ptr, dx_ptr, xs_ptr, rs_ptr, w_ptr, n_heads, stride_h, stride_xs_h, head_dim,
                          half, n_rest, offset, c1, c2, s1, s2, o1, o2,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """Backward of :func:`_norm_rope_heads` for one token's heads: dy (rotated-output gradient, head
-    stride ``stride_h``) -> dx (same layout), and this token's fp32 partial weight gradient (D,) at
-    ``dw_ptr``. (c1, c2, s1, s2) are the transposed rotation's (BACKWARD) factors."""
+    stride ``stride_h``) -> dx (same layout); returns this token's fp32 weight gradient as (dw1, dw2, dwr),
+    the pair members' and the rest's. (c1, c2, s1, s2) are the transposed rotation's (BACKWARD) factors."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
@@ -261,9 +275,7 @@ def _norm_rope_heads_bwd(dy_ptr, dx_ptr, xs_ptr, rs_ptr, w_ptr, dw_ptr, n_heads,
         dw1 += tl.sum(g1 * n1, axis=0)
         dw2 += tl.sum(g2 * n2, axis=0)
         dwr += tl.sum(g_r * nr, axis=0)
-    tl.store(dw_ptr + o1, dw1, mask=dmask)
-    tl.store(dw_ptr + o2, dw2, mask=dmask)
-    tl.store(dw_ptr + 2 * half + r, dwr, mask=rmask)
+    return dw1, dw2, dwr
 
 
 @triton.jit
@@ -290,26 +302,55 @@ def _norm_rope_qkv_kernel(x_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, cos_ptr, sin_pt
 
 @triton.jit
 def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dwq_ptr, dwk_ptr, cos_ptr, sin_ptr,
-                              seq_len, n_qh, n_kh, sc_b, sc_s, ss_b, ss_s, head_dim, half, n_rest, offset,
-                              INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Backward of :func:`_norm_rope_qkv_kernel` for one token: dy, dx contiguous (B*S, (Hq + 2*Hkv) * D)
-    (the v heads are copied by the caller); per-token fp32 partial weight gradients dwq, dwk (B*S, D)."""
-    tok = tl.program_id(0).to(tl.int64)
-    b = tok // seq_len
-    s = tok - b * seq_len
-    c1, c2, s1, s2, o1, o2 = _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, True,
-                                           INTERLEAVED, BLOCK_D)
-    row = tok * (n_qh + 2 * n_kh) * head_dim
-    xs_tok = xs_ptr + tok * (n_qh + n_kh) * head_dim
-    rs_tok = rs_ptr + tok * (n_qh + n_kh)
-    _norm_rope_heads_bwd(dy_ptr + row, dx_ptr + row, xs_tok, rs_tok, wq_ptr, dwq_ptr + tok * head_dim, n_qh,
-                         head_dim, head_dim, head_dim, half, n_rest, offset, c1, c2, s1, s2, o1, o2,
-                         BLOCK_HQ, BLOCK_D, BLOCK_R)
-    kq = n_qh * head_dim
-    _norm_rope_heads_bwd(dy_ptr + row + kq, dx_ptr + row + kq, xs_tok + kq, rs_tok + n_qh, wk_ptr,
-                         dwk_ptr + tok * head_dim, n_kh, head_dim, head_dim, head_dim, half, n_rest, offset,
-                         c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, BLOCK_R)
+                              n_tokens, seq_len, n_qh, n_kh, sc_b, sc_s, ss_b, ss_s, head_dim, half, n_rest, offset,
+                              INTERLEAVED: tl.constexpr, TOKENS: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                              BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_V: tl.constexpr):
+    """Backward of :func:`_norm_rope_qkv_kernel` for ``TOKENS`` consecutive tokens: dy, dx contiguous
+    (B*S, (Hq + 2*Hkv) * D), the v heads copied; the program's fp32 partial weight gradients, summed over
+    its tokens, in row ``program_id`` of dwq, dwk (programs, D)."""
+    pid = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    r = tl.arange(0, BLOCK_R)
+    v = tl.arange(0, BLOCK_V)
+    dmask = d < half
+    rmask = r < n_rest
+    n_v = n_kh * head_dim
+    zd = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    zr = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    q1, q2, qr, k1, k2, kr = zd, zd, zr, zd, zd, zr
+    for i in range(TOKENS):
+        tok = (pid * TOKENS + i).to(tl.int64)
+        if tok < n_tokens:
+            b = tok // seq_len
+            s = tok - b * seq_len
+            c1, c2, s1, s2, o1, o2 = _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, True,
+                                                   INTERLEAVED, BLOCK_D)
+            row = tok * (n_qh + 2 * n_kh) * head_dim
+            xs_tok = xs_ptr + tok * (n_qh + n_kh) * head_dim
+            rs_tok = rs_ptr + tok * (n_qh + n_kh)
+            a1, a2, ar = _norm_rope_heads_bwd(dy_ptr + row, dx_ptr + row, xs_tok, rs_tok, wq_ptr, n_qh, head_dim,
+                                              head_dim, head_dim, half, n_rest, offset, c1, c2, s1, s2, o1, o2,
+                                              BLOCK_HQ, BLOCK_D, BLOCK_R)
+            q1, q2, qr = q1 + a1, q2 + a2, qr + ar
+            kq = n_qh * head_dim
+            a1, a2, ar = _norm_rope_heads_bwd(dy_ptr + row + kq, dx_ptr + row + kq, xs_tok + kq, rs_tok + n_qh,
+                                              wk_ptr, n_kh, head_dim, head_dim, head_dim, half, n_rest, offset,
+                                              c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, BLOCK_R)
+            k1, k2, kr = k1 + a1, k2 + a2, kr + ar
+            vo = row + (n_qh + n_kh) * head_dim
+            for v0 in range(0, n_v, BLOCK_V):  # the v heads pass through unchanged
+                vm = v0 + v < n_v
+                tl.store(dx_ptr + vo + v0 + v, tl.load(dy_ptr + vo + v0 + v, mask=vm), mask=vm)
+    o1, o2, _ = _pair_offsets(d, half, INTERLEAVED)
+    wq_row = dwq_ptr + pid * head_dim
+    wk_row = dwk_ptr + pid * head_dim
+    tl.store(wq_row + o1, q1, mask=dmask)
+    tl.store(wq_row + o2, q2, mask=dmask)
+    tl.store(wq_row + 2 * half + r, qr, mask=rmask)
+    tl.store(wk_row + o1, k1, mask=dmask)
+    tl.store(wk_row + o2, k2, mask=dmask)
+    tl.store(wk_row + 2 * half + r, kr, mask=rmask)
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -336,9 +377,11 @@ def _blocks(head_dim: int, rotary_dim: int) -> tuple[int, int, int, int]:
 
 
 def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qo: torch.Tensor,
-            ko: torch.Tensor, backward: bool, interleaved: bool, copy_rest: bool) -> None:
+            ko: torch.Tensor, backward: bool, interleaved: bool, copy_rest: bool,
+            v: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Rotate x_q -> qo and x_k -> ko, all (B, S, H, D) with unit last stride (qo / ko may alias x_q / x_k).
-    The first cos.shape[-1] channels rotate; with ``copy_rest`` the others are copied."""
+    The first cos.shape[-1] channels rotate; with ``copy_rest`` the others are copied. ``v``: (v, vo), v
+    heads (B, S, Hv, D) whose heads and channels are contiguous per token, copied in the same launch."""
     B, S, Hq, D = x_q.shape
     Hkv = x_k.shape[2]
     if B * S == 0 or D == 0:
@@ -346,14 +389,17 @@ def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.
     half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
     sc_b, sc_s = _cs_strides(cos)
     ss_b, ss_s = _cs_strides(sin)
+    xv, vo = v if v is not None else (x_k, ko)
+    n_v = int(xv.shape[2]) * int(D) if v is not None else 0
     wrap_triton(_rope_kernel)[(B * S,)](
-        x_q, x_k, cos, sin, qo, ko, S, Hq, Hkv,
+        x_q, x_k, cos, sin, qo, ko, xv, vo, S, Hq, Hkv,
         x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-        sc_b, sc_s, ss_b, ss_s, half, n_rest,
+        xv.stride(0), xv.stride(1), vo.stride(0), vo.stride(1), n_v, sc_b, sc_s, ss_b, ss_s, half, n_rest,
         BACKWARD=backward, INTERLEAVED=interleaved, COPY_REST=copy_rest and n_rest > 0,
         BLOCK_HQ=_head_block(int(Hq), block_d), BLOCK_HK=_head_block(int(Hkv), block_d),
-        BLOCK_D=block_d, BLOCK_R=block_r, num_warps=_WARPS)
+        BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_V=min(_TILE, triton.next_power_of_2(n_v)) if n_v else 0,
+        num_warps=_WARPS)
 
 
 def _rotate_new(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -403,8 +449,7 @@ def _rope_qkv_bwd(dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q:
     out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
     dq, dk, dv = _split_heads(dqkv, n_q, n_kv)
     oq, ok, ov = _split_heads(out, n_q, n_kv)
-    _launch(dq, dk, _unit_last(cos), _unit_last(sin), oq, ok, True, interleaved, copy_rest=True)
-    ov.copy_(dv)
+    _launch(dq, dk, _unit_last(cos), _unit_last(sin), oq, ok, True, interleaved, copy_rest=True, v=(dv, ov))
     return out
 
 
@@ -445,21 +490,21 @@ def _qk_norm_rope_qkv_bwd(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor
     B, S, n = dqkv.shape
     D = n // (n_q + 2 * n_kv)
     out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
-    dwq = torch.zeros((B * S, D), dtype=torch.float32, device=dqkv.device)
-    dwk = torch.zeros((B * S, D), dtype=torch.float32, device=dqkv.device)
+    programs = triton.cdiv(B * S, _NORM_BWD_TOKENS)
+    dwq = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)  # every row written
+    dwk = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)
     if B * S > 0 and D > 0:
         cos, sin = _unit_last(cos), _unit_last(sin)
         half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
         sc_b, sc_s = _cs_strides(cos)
         ss_b, ss_s = _cs_strides(sin)
         block_full = 2 * max(block_d, block_r)
-        wrap_triton(_norm_rope_qkv_bwd_kernel)[(B * S,)](
-            dqkv, out, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, S, n_q, n_kv, sc_b, sc_s, ss_b, ss_s,
-            D, half, n_rest, offset, INTERLEAVED=interleaved, BLOCK_HQ=_head_block(int(n_q), block_full),
-            BLOCK_HK=_head_block(int(n_kv), block_full), BLOCK_D=block_d, BLOCK_R=block_r, num_warps=_WARPS)
-    _, _, dv = _split_heads(dqkv, n_q, n_kv)
-    _, _, ov = _split_heads(out, n_q, n_kv)
-    ov.copy_(dv)
+        wrap_triton(_norm_rope_qkv_bwd_kernel)[(programs,)](
+            dqkv, out, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, B * S, S, n_q, n_kv, sc_b, sc_s, ss_b, ss_s,
+            D, half, n_rest, offset, INTERLEAVED=interleaved, TOKENS=_NORM_BWD_TOKENS,
+            BLOCK_HQ=_head_block(int(n_q), block_full), BLOCK_HK=_head_block(int(n_kv), block_full),
+            BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_V=min(_TILE, triton.next_power_of_2(int(n_kv) * int(D))),
+            num_warps=_WARPS)
     return out, dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
 
 
