@@ -94,6 +94,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, STARTS, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h
                      so_b, so_s, so_h, S, HQ, G, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
         PRECISION: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -179,6 +180,8 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, STARTS, ENDS, DK, DV, sq_b, sq_
         PRECISION: tl.constexpr):
     """dK, dV of one key block of one kv head, from the G / SPLIT q heads of its group this program takes:
     into DK / DV (SPLIT 1), or into part ``part`` of fp32 partial sums (``s_part`` elements apart)."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1) // SPLIT
     part = tl.program_id(1) % SPLIT
@@ -268,6 +271,8 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, STARTS, DQ, sq_b, sq_s, sq_h, sk
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
         PRECISION: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
+    sm_scale = tl.cast(sm_scale, tl.float32)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ

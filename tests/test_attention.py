@@ -224,7 +224,7 @@ def test_padded_documents_repeat_the_last_bound_and_refuse_what_does_not_fit():
 def test_padded_bounds_give_the_same_attention_and_gradients():
     """FlashAttention over bounds padded with empty sequences and the row length as the longest (what a CUDA-graph
     step captures) gives the unpadded bounds' output and gradients."""
-    b, s, hq, hkv, d = 2, 256, 8, 2, 64
+    b, s, hq, hkv, d = 2, 256, 8, 2, 96  # a head dim FlashAttention takes and kernels.document_attention does not
     pos = torch.cat([torch.arange(100), torch.arange(156), torch.arange(30), torch.arange(226)]).view(b, s)
     docs = Documents.from_positions(pos).to(DEVICE)
     padded = Documents.from_positions(pos).padded(64, s).to(DEVICE)
@@ -252,15 +252,20 @@ def test_documents_and_plain_ids_give_the_same_attention():
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="FlashAttention needs CUDA")
-def test_bf16_documents_and_windows_run_flash_varlen():
-    """Packed documents and a window shorter than the sequence run FlashAttention's variable-length kernel
-    in bf16 on CUDA (not FlexAttention, not a dense mask)."""
-    qkv = randn(2, 256, 12 * 64, dtype=torch.bfloat16).requires_grad_()
-    q, k, v = (t.unflatten(-1, (-1, 64)) for t in qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1))
+@pytest.mark.parametrize("d,kernel", [(64, "DocumentAttentionFunctionBackward"),
+                                      (128, "DocumentAttentionFunctionBackward"), (96, "FlashAttentionBackward0")])
+def test_bf16_documents_and_windows_run_the_fused_kernels(d, kernel):
+    """Packed documents and a window shorter than the sequence run kernels.document_attention at head dims 64
+    and 128, FlashAttention's variable-length kernel at others, in bf16 on CUDA (not FlexAttention, not a
+    dense mask)."""
+    qkv = randn(2, 256, 12 * d, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([8 * d, 2 * d, 2 * d], dim=-1))
     for mask, window in ((AttentionMask(256, Documents.from_ids(_documents(2, 256))), None), (None, 100)):
         out = causal_attention(q, k, v, mask=mask, window=window)
-        node = out.grad_fn.next_functions[0][0]  # out is a view of the kernel's (B*S, Hq, D) output
-        assert type(node).__name__ == "FlashAttentionBackward0", f"window {window}: {type(node).__name__}"
+        node = out.grad_fn
+        if type(node).__name__ != kernel:  # FlashAttention's output is a view of its (B*S, Hq, D) output
+            node = node.next_functions[0][0]
+        assert type(node).__name__ == kernel, f"head dim {d}, window {window}: {type(node).__name__}"
 
 
 def test_host_built_bounds_move_to_the_device_once_for_every_layer():

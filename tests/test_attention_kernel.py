@@ -110,3 +110,29 @@ def test_bad_arguments_are_named():
         document_attention(q, q, q, starts.long(), ends)
     with pytest.raises(ValueError, match=r"q \(B, S, Hq, D\)"):
         document_attention(q, q[:, :4], q, starts, ends)
+
+
+def test_document_attention_custom_ops_pass_opcheck():
+    """The forward and backward are torch.library ops (torch.compile sees one op each, no graph break)."""
+    ids = _ids(1, 40, seed=11)
+    _, q, k, v = _qkv(1, 40, 4, 2, 16, torch.float32, seed=12)
+    q, k, v = (t.detach() for t in (q, k, v))
+    starts, ends = document_bounds(ids, 1, 40, DEVICE)
+    checks = ("test_schema", "test_faketensor") if DEVICE.type == "cuda" else ("test_schema",)
+    torch.library.opcheck(torch.ops.ligermodels.doc_attention_fwd.default, (q, k, v, starts, 0, 0.25),
+                          test_utils=checks)
+    o, lse = torch.ops.ligermodels.doc_attention_fwd(q, k, v, starts, 0, 0.25)
+    torch.library.opcheck(torch.ops.ligermodels.doc_attention_bwd.default,
+                          (torch.randn_like(o), q, k, v, o, lse, starts, ends, 7, 0.25), test_utils=checks)
+
+
+def test_document_attention_compiles_without_a_graph_break():
+    """Under torch.compile (fullgraph) the op gives the eager output."""
+    if DEVICE.type != "cuda":
+        pytest.skip("Inductor's Triton needs CUDA here")
+    ids = _ids(2, 96, seed=13)
+    _, q, k, v = _qkv(2, 96, 4, 2, 64, torch.bfloat16, seed=14)
+    starts, ends = document_bounds(ids, 2, 96, DEVICE)
+    eager = document_attention(q, k, v, starts, ends, 33)
+    compiled = torch.compile(document_attention, fullgraph=True)(q, k, v, starts, ends, 33)
+    assert torch.equal(eager, compiled)
