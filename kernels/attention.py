@@ -33,6 +33,7 @@ re-reads of q/dO per key block and k/v per query block, mostly from L2).
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -327,10 +328,9 @@ def _head_split(group: int, programs: int, target: int) -> int:
 
 
 def _config(head_dim: int) -> dict:
+    """The tiles for this head dim: the env override, the interpreter's small tiles, or :data:`CONFIGS`."""
     override = os.environ.get("LIGERMODELS_DOC_ATTENTION_CONFIG")
     if override:
-        import json
-
         return {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(override).items()}
     if INTERPRET:
         return _INTERPRET_CONFIG

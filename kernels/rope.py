@@ -132,6 +132,15 @@ def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, n_rest, c1, 
 
 
 @triton.jit
+def _copy_span(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """Copy ``n`` contiguous elements (a token's v heads in a packed buffer), ``BLOCK`` at a time."""
+    offs = tl.arange(0, BLOCK)
+    for i in range(0, n, BLOCK):
+        m = i + offs < n
+        tl.store(dst_ptr + i + offs, tl.load(src_ptr + i + offs, mask=m), mask=m)
+
+
+@triton.jit
 def _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD: tl.constexpr,
                   INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token's (c1, c2, s1, s2) as (1, BLOCK_D) fp32 rows, with the pair offsets (o1, o2). BACKWARD
@@ -171,12 +180,7 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, v_ptr, vo_ptr, 
     _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half, n_rest,
                   c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, COPY_REST, BLOCK_R, INTERLEAVED)
     if BLOCK_V > 0:
-        v = tl.arange(0, BLOCK_V)
-        v_tok = v_ptr + b * sv_b + s * sv_s
-        vo_tok = vo_ptr + b * svo_b + s * svo_s
-        for v0 in range(0, n_v, BLOCK_V):
-            vm = v0 + v < n_v
-            tl.store(vo_tok + v0 + v, tl.load(v_tok + v0 + v, mask=vm), mask=vm)
+        _copy_span(v_ptr + b * sv_b + s * sv_s, vo_ptr + b * svo_b + s * svo_s, n_v, BLOCK_V)
 
 
 @triton.jit
@@ -312,10 +316,8 @@ def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
-    v = tl.arange(0, BLOCK_V)
     dmask = d < half
     rmask = r < n_rest
-    n_v = n_kh * head_dim
     zd = tl.zeros((BLOCK_D,), dtype=tl.float32)
     zr = tl.zeros((BLOCK_R,), dtype=tl.float32)
     q1, q2, qr, k1, k2, kr = zd, zd, zr, zd, zd, zr
@@ -339,9 +341,7 @@ def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw
                                               c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, BLOCK_R)
             k1, k2, kr = k1 + a1, k2 + a2, kr + ar
             vo = row + (n_qh + n_kh) * head_dim
-            for v0 in range(0, n_v, BLOCK_V):  # the v heads pass through unchanged
-                vm = v0 + v < n_v
-                tl.store(dx_ptr + vo + v0 + v, tl.load(dy_ptr + vo + v0 + v, mask=vm), mask=vm)
+            _copy_span(dy_ptr + vo, dx_ptr + vo, n_kh * head_dim, BLOCK_V)  # the v heads pass through unchanged
     o1, o2, _ = _pair_offsets(d, half, INTERLEAVED)
     wq_row = dwq_ptr + pid * head_dim
     wk_row = dwk_ptr + pid * head_dim
