@@ -70,6 +70,11 @@ def test_missing_directory_and_offline_repo_id_are_named(tmp_path, monkeypatch):
         load_hf(str(tmp_path / "nope"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import huggingface_hub.constants
+
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import (transformers imported it before this test): set
+    # its flag too, or it tries the network (20 s of timeouts here) before giving up
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(CheckpointError, match="'someone/no-such-model'.*offline"):
         load_hf("someone/no-such-model")
 
