@@ -1,5 +1,5 @@
 """Causal attention over the (batch, seq, heads, head_dim) layout, with optional sliding window and
-document masking, through PyTorch's fused attention kernels.
+document masking, through PyTorch's fused attention kernels and this package's own (kernels.attention).
 
 * Plain causal attention (no window shorter than the sequence, no document boundaries) goes to
   ``scaled_dot_product_attention(is_causal=True)``, never a mask tensor, with the backends tried in
