@@ -62,6 +62,11 @@ def n_rows(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dim is unit-stride (what the kernels need), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """View ``x`` as (rows, last_dim) with a unit last stride, copying only if it cannot be viewed."""
     if x.dim() == 0:

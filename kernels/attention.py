@@ -44,16 +44,25 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import INTERPRET, LIB, check_same_device, compute_dtype, use_triton
+from kernels._common import INTERPRET, LIB, check_same_device, compute_dtype, unit_last, use_triton
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _allowed(q_idx, k_idx, starts_q, window, HAS_WINDOW: tl.constexpr):
+    """Whether query ``q_idx`` may see key ``k_idx`` (broadcast shapes, queries as rows or as columns):
+    ``starts_q <= k <= q`` and, with a window, ``q - k < window``."""
+    ok = (k_idx <= q_idx) & (k_idx >= starts_q)
+    if HAS_WINDOW:
+        ok = ok & (q_idx - k_idx < window)
+    return ok
+
+
+@triton.jit
 def _fwd_run(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, starts_m, lo, hi, S, window,
              qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
+             MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax of one query block over the key blocks [lo, hi): (acc, l, m) updated."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -63,9 +72,7 @@ def _fwd_run(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, sta
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
-            ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts_m[:, None])
-            if HAS_WINDOW:
-                ok = ok & (offs_m[:, None] - offs_n[None, :] < window)
+            ok = _allowed(offs_m[:, None], offs_n[None, :], starts_m[:, None], window, HAS_WINDOW)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet
@@ -94,16 +101,16 @@ def _key_runs(STARTS_row, m0, m_last, window, HAS_WINDOW: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, O, LSE, STARTS, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
-                     so_b, so_s, so_h, S, HQ, G, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
-    qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
-    pid_m = tl.program_id(0)
+def _query_block(Q, K, V, STARTS, sq_b, sq_s, sq_h, sk_b, sk_h, sv_b, sv_h, S, HQ, G, window,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr):
+    """What the forward and the dQ kernel set up for their (query block, batch x q head) program: the batch
+    and head, the block's last row, its offsets and masks, its q tile, its queries' document starts, the
+    key-block runs (:func:`_key_runs`) and the k / v bases of its kv head."""
     bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
-    m0 = pid_m * BLOCK_M
+    m0 = tl.program_id(0) * BLOCK_M
     m_last = tl.minimum(m0 + BLOCK_M, S) - 1
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -115,6 +122,19 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, STARTS, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h
     lo, mid, diag = _key_runs(STARTS_row, m0, m_last, window, HAS_WINDOW, BLOCK_N)
     k_base = K + b * sk_b + (h // G) * sk_h
     v_base = V + b * sv_b + (h // G) * sv_h
+    return b, h, m_last, offs_m, offs_d, row_ok, io_ok, q, starts_m, lo, mid, diag, k_base, v_base
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, O, LSE, STARTS, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
+                     so_b, so_s, so_h, S, HQ, G, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
+    bh = tl.program_id(1)
+    b, h, m_last, offs_m, offs_d, row_ok, io_ok, q, starts_m, lo, mid, diag, k_base, v_base = _query_block(
+        Q, K, V, STARTS, sq_b, sq_s, sq_h, sk_b, sk_h, sv_b, sv_h, S, HQ, G, window, HEAD_DIM, BLOCK_D, BLOCK_M,
+        BLOCK_N, HAS_WINDOW)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -149,8 +169,7 @@ def _attn_delta_kernel(O, DO, DELTA, so_b, so_s, so_h, sd_b, sd_s, sd_h, S, HQ, 
 @triton.jit
 def _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row, sq_s, sd_s, offs_n, lo, hi, S,
                 window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
+                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """dK, dV of one key block from the query blocks [lo, hi) of one q head (transposed: keys are rows)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -164,9 +183,7 @@ def _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row,
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
         if MASKED:
             starts_m = tl.load(STARTS_row + offs_m, mask=row_ok, other=0)
-            ok = (offs_m[None, :] >= offs_n[:, None]) & (starts_m[None, :] <= offs_n[:, None]) & row_ok[None, :]
-            if HAS_WINDOW:
-                ok = ok & (offs_m[None, :] - offs_n[:, None] < window)
+            ok = _allowed(offs_m[None, :], offs_n[:, None], starts_m[None, :], window, HAS_WINDOW) & row_ok[None, :]
             p_t = tl.where(ok, p_t, 0.0)
         do = tl.load(do_base + offs_m[:, None] * sd_s + offs_d[None, :], mask=io_ok, other=0.0)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
@@ -181,7 +198,7 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, STARTS, ENDS, DK, DV, sq_b, sq_
                         sv_b, sv_s, sv_h, sd_b, sd_s, sd_h, s_part, so_b, so_s, so_h, S, HQ, HKV, G, SPLIT,
                         window, qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr):
     """dK, dV of one key block of one kv head, from the G / SPLIT q heads of its group this program takes:
     into DK / DV (SPLIT 1), or into part ``part`` of fp32 partial sums (``s_part`` elements apart)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
@@ -248,8 +265,7 @@ def _attn_sum_parts_kernel(DKP, DVP, DK, DV, n, SPLIT, BLOCK: tl.constexpr):
 @triton.jit
 def _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, starts_m, lo, hi, S, window,
                qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
+               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     """dQ of one query block from the key blocks [lo, hi)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -260,9 +276,7 @@ def _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
         if MASKED:
-            ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] >= starts_m[:, None])
-            if HAS_WINDOW:
-                ok = ok & (offs_m[:, None] - offs_n[None, :] < window)
+            ok = _allowed(offs_m[:, None], offs_n[None, :], starts_m[:, None], window, HAS_WINDOW)
             p = tl.where(ok, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
@@ -273,29 +287,16 @@ def _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, STARTS, DQ, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s,
                        sv_h, sd_b, sd_s, sd_h, sdq_b, sdq_s, sdq_h, S, HQ, G, window, qk_scale, sm_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
     sm_scale = tl.cast(sm_scale, tl.float32)
-    pid_m = tl.program_id(0)
     bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    m0 = pid_m * BLOCK_M
-    m_last = tl.minimum(m0 + BLOCK_M, S) - 1
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < S
-    io_ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :], mask=io_ok, other=0.0)
+    b, h, m_last, offs_m, offs_d, row_ok, io_ok, q, starts_m, lo, mid, diag, k_base, v_base = _query_block(
+        Q, K, V, STARTS, sq_b, sq_s, sq_h, sk_b, sk_h, sv_b, sv_h, S, HQ, G, window, HEAD_DIM, BLOCK_D, BLOCK_M,
+        BLOCK_N, HAS_WINDOW)
     do = tl.load(DO + b * sd_b + h * sd_h + offs_m[:, None] * sd_s + offs_d[None, :], mask=io_ok, other=0.0)
     lse = tl.load(LSE + bh * S + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh * S + offs_m, mask=row_ok, other=0.0)
-    STARTS_row = STARTS + b * S
-    starts_m = tl.load(STARTS_row + offs_m, mask=row_ok, other=0)
-    lo, mid, diag = _key_runs(STARTS_row, m0, m_last, window, HAS_WINDOW, BLOCK_N)
-    k_base = K + b * sk_b + (h // G) * sk_h
-    v_base = V + b * sv_b + (h // G) * sv_h
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq = _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, sk_s, sv_s, offs_m, starts_m, lo, mid, S, window,
                     qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION)
@@ -350,10 +351,6 @@ def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 @triton_op(f"{LIB}::doc_attention_fwd", mutates_args={})
 def _doc_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, window: int,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,7 +374,7 @@ def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                        lse: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, window: int, scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), fresh (B, S, H, D) tensors in the inputs' dtype."""
-    do = _unit_last(do)
+    do = unit_last(do)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     dq = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
@@ -499,7 +496,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
         window = None
     if not use_triton(q):
         return document_attention_reference(q, k, v, starts, window, scale)
-    q, k, v = (_unit_last(t) for t in (q, k, v))
+    q, k, v = (unit_last(t) for t in (q, k, v))
     return DocumentAttentionFunction.apply(q, k, v, starts, ends, 0 if window is None else int(window), scale)
 
 

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import LIB, check_same_device, compute_dtype, use_triton
+from kernels._common import LIB, check_same_device, compute_dtype, unit_last, use_triton
 from kernels.rms_norm import rms_norm_reference
 
 #: Elements per half-tile of one program (16 heads x 64 at head_dim 128), and warps. Measured on an
@@ -354,10 +354,6 @@ def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw
 
 
 # ------------------------------------------------------------------------------------ custom ops
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _cs_strides(t: torch.Tensor) -> tuple[int, int]:
     """(batch, seq) strides of cos / sin; 0 on the batch when it is shared ((S, D) or (1, S, D))."""
     if t.dim() == 2:
@@ -405,7 +401,7 @@ def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.
 def _rotate_new(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backward: bool, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated copies of x_q and x_k as fresh contiguous tensors in x_q's dtype."""
-    x_q, x_k, cos, sin = _unit_last(x_q), _unit_last(x_k), _unit_last(cos), _unit_last(sin)
+    x_q, x_k, cos, sin = unit_last(x_q), unit_last(x_k), unit_last(cos), unit_last(sin)
     qo = torch.empty(x_q.shape, dtype=x_q.dtype, device=x_q.device)
     ko = torch.empty(x_k.shape, dtype=x_q.dtype, device=x_q.device)
     _launch(x_q, x_k, cos, sin, qo, ko, backward, interleaved, copy_rest=True)
@@ -438,18 +434,18 @@ def _rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int
                interleaved: bool = False) -> None:
     """Rotate the q and k heads of a packed (B, S, (Hq + 2*Hkv) * D) projection output in place."""
     q, k, _ = _split_heads(qkv, n_q, n_kv)
-    _launch(q, k, _unit_last(cos), _unit_last(sin), q, k, False, interleaved, copy_rest=False)
+    _launch(q, k, unit_last(cos), unit_last(sin), q, k, False, interleaved, copy_rest=False)
 
 
 @triton_op(f"{LIB}::rope_qkv_bwd", mutates_args={})
 def _rope_qkv_bwd(dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
                   interleaved: bool = False) -> torch.Tensor:
     """Gradient of the packed qkv before :func:`_rope_qkv_`: q / k heads rotated back, v heads copied."""
-    dqkv = _unit_last(dqkv)
+    dqkv = unit_last(dqkv)
     out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
     dq, dk, dv = _split_heads(dqkv, n_q, n_kv)
     oq, ok, ov = _split_heads(out, n_q, n_kv)
-    _launch(dq, dk, _unit_last(cos), _unit_last(sin), oq, ok, True, interleaved, copy_rest=True, v=(dv, ov))
+    _launch(dq, dk, unit_last(cos), unit_last(sin), oq, ok, True, interleaved, copy_rest=True, v=(dv, ov))
     return out
 
 
@@ -468,7 +464,7 @@ def _qk_norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     rs = torch.empty((B, S, n_q + n_kv), dtype=torch.float32, device=qkv.device)
     if B * S == 0 or D == 0:
         return xs, rs
-    cos, sin = _unit_last(cos), _unit_last(sin)
+    cos, sin = unit_last(cos), unit_last(sin)
     half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
     sc_b, sc_s = _cs_strides(cos)
     ss_b, ss_s = _cs_strides(sin)
@@ -494,7 +490,7 @@ def _qk_norm_rope_qkv_bwd(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor
     dwq = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)  # every row written
     dwk = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)
     if B * S > 0 and D > 0:
-        cos, sin = _unit_last(cos), _unit_last(sin)
+        cos, sin = unit_last(cos), unit_last(sin)
         half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
         sc_b, sc_s = _cs_strides(cos)
         ss_b, ss_s = _cs_strides(sin)
