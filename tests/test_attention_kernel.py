@@ -127,12 +127,24 @@ def test_document_attention_custom_ops_pass_opcheck():
 
 
 def test_document_attention_compiles_without_a_graph_break():
-    """Under torch.compile (fullgraph) the op gives the eager output."""
+    """Under torch.compile (fullgraph) the op gives the eager output and gradient, q / k / v split from the
+    packed projection inside the compiled region as the decoder layer does."""
     if DEVICE.type != "cuda":
         pytest.skip("Inductor's Triton needs CUDA here")
     ids = _ids(2, 96, seed=13)
-    _, q, k, v = _qkv(2, 96, 4, 2, 64, torch.bfloat16, seed=14)
+    qkv, *_ = _qkv(2, 96, 4, 2, 64, torch.bfloat16, seed=14)
     starts, ends = document_bounds(ids, 2, 96, DEVICE)
-    eager = document_attention(q, k, v, starts, ends, 33)
-    compiled = torch.compile(document_attention, fullgraph=True)(q, k, v, starts, ends, 33)
-    assert torch.equal(eager, compiled)
+    grad = randn(2, 96, 4, 64, dtype=torch.bfloat16, seed=15)
+
+    def attend(packed):
+        heads = packed.view(2, 96, 8, 64)
+        return document_attention(heads[:, :, :4], heads[:, :, 4:6], heads[:, :, 6:], starts, ends, 33)
+
+    results = []
+    for fn in (attend, torch.compile(attend, fullgraph=True)):
+        leaf = qkv.detach().clone().requires_grad_()
+        out = fn(leaf)
+        out.backward(grad)
+        results.append((out, leaf.grad))
+    (eager, eager_grad), (compiled, compiled_grad) = results
+    assert torch.equal(eager, compiled) and torch.equal(eager_grad, compiled_grad)
