@@ -44,14 +44,19 @@ each program (8 tokens, ``_NORM_BWD_TOKENS``) writes its fp32 (D,) partial dw (s
 and heads), summed over the programs after; the v heads are copied in the same launch.
 
 One program handles one token: it loads that token's cos / sin once, then rotates all q heads and
-then all kv heads, in tiles of up to ``_TILE`` elements per half.
+then all kv heads, in tiles of up to ``_TILE`` elements (whole-head and interleaved rotary: pair
+tiles, ``_TILE`` per half). Partial rotate-half rotary (R < D) loads each head's row as one contiguous
+tile of ``next_power_of_2(D)`` channels (in place: of R) plus a second load of the pair partners
+(f +- R/2, cached), and stores the row whole (in place: its R rotary channels), so its accesses are
+aligned row reads and writes instead of half-width ones starting mid-row (see ``_rotate_heads``).
 
 Bytes moved (the fewest each pass must move), for T = B*S tokens, P distinct cos rows (B*S, or S
 when shared), element size s of q/k and c of cos/sin:
 forward  2*T*(Hq + Hkv)*D*s + 2*P*R*c   (read q, k; write q_rot, k_rot; read cos, sin once per row),
 backward 2*T*(Hq + Hkv)*D*s + 2*P*R*c   (read dq_rot, dk_rot; write dq, dk; read cos, sin)
-(in place, the forward moves only the R rotary channels). The fused norm adds one write of the q / k
-heads (xs) in the forward and one read of them in the backward, 3*T*(Hq + Hkv)*D*s each way.
+(in place, the forward moves only the R rotary channels; partial rotary's partner loads re-read the
+row from cache, not memory). The fused norm adds one write of the q / k heads (xs) in the forward and
+one read of them in the backward, 3*T*(Hq + Hkv)*D*s each way.
 """
 
 from __future__ import annotations
@@ -70,7 +75,8 @@ from kernels.rms_norm import rms_norm_reference
 _TILE = 1024
 _WARPS = 4
 #: Tokens per program of the q/k-norm backward: its weight gradients are summed over them in registers,
-#: so the fp32 partials it writes are (B*S / 8, D) instead of one row per token.
+#: so the fp32 partials it writes are (B*S / 8, D). Kernel time on an H100 (experiments/qknorm-bwd-sweep-*):
+#: 2, 4, 8 tokens within 4% at head dim 128, 8 the fastest at 256; 8 warps or half the head tile slower.
 _NORM_BWD_TOKENS = 8
 
 
@@ -102,7 +108,14 @@ def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, n_rest, c1, 
 
     Interleaved pairs (2d, 2d + 1) are loaded as one contiguous (heads, 2 * half) tile and split into
     even and odd channels in registers: loading each member with a stride of 2 kept the loads from being
-    vectorized, and the kernel ran at 8-15% of copy bandwidth on an H100 (benchmarks, GLM-4-9B's shape)."""
+    vectorized, and the kernel ran at 8-15% of copy bandwidth on an H100 (benchmarks, GLM-4-9B's shape).
+
+    Partial rotate-half rotary (R < D, not interleaved) does not come here: :func:`_rope_kernel` sends it
+    to :func:`_rotate_rows`. Here its pair members would be half-width loads at o1 = d and o2 = d + R/2
+    (Phi-4-mini: 48 channels each in a 64-wide, 25%-masked tile, the second starting mid-row), plus the
+    D - R rest channels in a third load: misaligned, partly masked accesses that ran at only 59-77% of
+    copy bandwidth on an H100 (whole-head rotary, R = D = 128, runs at ~95% here). The row path loads
+    each head's row as one contiguous tile instead (GPU measurement of it still to come)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
@@ -129,6 +142,62 @@ def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, n_rest, c1, 
             rmask = (hh < n_heads)[:, None] & (r < n_rest)[None, :]
             xr = tl.load(x_row + 2 * half + r[None, :], mask=rmask, other=0.0)
             tl.store(o_row + 2 * half + r[None, :], xr.to(o_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _row_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD: tl.constexpr,
+                 BLOCK_F: tl.constexpr):
+    """One token's rotation as whole-row factors for :func:`_rotate_rows`, (1, BLOCK_F) fp32 rows over
+    the channels f of a head: ``y[f] = x[f] * C[f] + x[p(f)] * S[f]`` with the partner ``p(f)`` (also
+    returned, (1, BLOCK_F)) = f + half for f < half, f - half for half <= f < 2 * half, f past them.
+
+    Forward C = cos and S = (-sin, +sin) over the two halves, i.e. ``y1 = x1*c1 - x2*s1``,
+    ``y2 = x2*c2 + x1*s2`` as :func:`_load_cos_sin` gives them; BACKWARD the transpose (s1 -> -s2,
+    s2 -> -s1): S[f] = sin[p(f)] on the first half, -sin[p(f)] on the second. Past the rotary channels
+    C = 1, S = 0 (:func:`_rotate_rows` passes those channels through as they are)."""
+    f = tl.arange(0, BLOCK_F)
+    rot = f < 2 * half
+    lo = f < half
+    p = tl.where(lo, f + half, tl.where(rot, f - half, f))
+    c_row = cos_ptr + b * sc_b + s * sc_s
+    s_row = sin_ptr + b * ss_b + s * ss_s
+    c = tl.load(c_row + f, mask=rot, other=1.0).to(tl.float32)
+    if BACKWARD:  # transpose of the rotation: the sine halves swapped and negated
+        sv = tl.load(s_row + p, mask=rot, other=0.0).to(tl.float32)
+        sn = tl.where(lo, sv, -sv)
+    else:
+        sv = tl.load(s_row + f, mask=rot, other=0.0).to(tl.float32)
+        sn = tl.where(lo, -sv, sv)
+    return c[None, :], sn[None, :], p[None, :]
+
+
+@triton.jit
+def _rotate_rows(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, head_dim, cf, sf, p,
+                 BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, COPY_REST: tl.constexpr):
+    """The row path of :func:`_rotate_heads` (partial rotate-half rotary): rotate the ``n_heads`` rows of
+    one token, x at ``x_ptr`` -> o at ``o_ptr`` (head strides ``stride_h`` / ``stride_oh``), each head's
+    row as one contiguous (heads, BLOCK_F) tile over channels f < ``head_dim``, with factors (cf, sf) and
+    partners p from :func:`_row_cos_sin`: ``y[f] = x[f] * cf[f] + x[p(f)] * sf[f]`` in fp32 for the
+    2 * ``half`` rotary channels (the partner load re-reads the row just loaded: L1 / L2 hits); the
+    channels past them pass as loaded. With COPY_REST the whole row is stored (out of place); otherwise
+    only the rotary channels are read and written, the rest left as they are (in place). Both loads of a
+    tile come before its store, so o may be x."""
+    h = tl.arange(0, BLOCK_H)
+    f = tl.arange(0, BLOCK_F)[None, :]
+    rot = f < 2 * half
+    if COPY_REST:
+        fmask = f < head_dim
+    else:
+        fmask = rot
+    for h0 in range(0, n_heads, BLOCK_H):
+        hh = (h0 + h)[:, None]
+        hm = hh < n_heads
+        x_row = x_ptr + hh * stride_h
+        x = tl.load(x_row + f, mask=hm & fmask, other=0.0)
+        xp = tl.load(x_row + p, mask=hm & rot, other=0.0).to(tl.float32)
+        y = tl.fma(x.to(tl.float32), cf, xp * sf)  # explicit: the same rounding at every tile width
+        y = tl.where(rot, y.to(o_ptr.dtype.element_ty), x.to(o_ptr.dtype.element_ty))
+        tl.store(o_ptr + hh * stride_oh + f, y, mask=hm & fmask)
 
 
 @triton.jit
@@ -167,18 +236,28 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, v_ptr, vo_ptr, 
                  sv_b, sv_s, svo_b, svo_s, n_v, sc_b, sc_s, ss_b, ss_s, half, n_rest,
                  BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_REST: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_V: tl.constexpr):
+                 BLOCK_V: tl.constexpr, ROW: tl.constexpr, BLOCK_F: tl.constexpr):
     """One token: q / k heads rotated (out of place, or in place when the outputs alias the inputs); with
-    BLOCK_V > 0 its ``n_v`` contiguous elements at ``v_ptr`` (the v heads of a packed buffer) copied too."""
+    BLOCK_V > 0 its ``n_v`` contiguous elements at ``v_ptr`` (the v heads of a packed buffer) copied too.
+    ROW (partial rotate-half rotary): whole-row tiles of BLOCK_F channels (:func:`_rotate_rows`) instead
+    of the pair tiles of :func:`_rotate_heads`."""
     tok = tl.program_id(0).to(tl.int64)
     b = tok // seq_len
     s = tok - b * seq_len
-    c1, c2, s1, s2, o1, o2 = _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD,
-                                           INTERLEAVED, BLOCK_D)
-    _rotate_heads(q_ptr + b * sq_b + s * sq_s, qo_ptr + b * sqo_b + s * sqo_s, n_qh, sq_h, sqo_h, half, n_rest,
-                  c1, c2, s1, s2, o1, o2, BLOCK_HQ, BLOCK_D, COPY_REST, BLOCK_R, INTERLEAVED)
-    _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half, n_rest,
-                  c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, COPY_REST, BLOCK_R, INTERLEAVED)
+    if ROW:
+        cf, sf, p = _row_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD, BLOCK_F)
+        head_dim = 2 * half + n_rest
+        _rotate_rows(q_ptr + b * sq_b + s * sq_s, qo_ptr + b * sqo_b + s * sqo_s, n_qh, sq_h, sqo_h, half,
+                     head_dim, cf, sf, p, BLOCK_HQ, BLOCK_F, COPY_REST)
+        _rotate_rows(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half,
+                     head_dim, cf, sf, p, BLOCK_HK, BLOCK_F, COPY_REST)
+    else:
+        c1, c2, s1, s2, o1, o2 = _load_cos_sin(cos_ptr, sin_ptr, b, s, sc_b, sc_s, ss_b, ss_s, half, BACKWARD,
+                                               INTERLEAVED, BLOCK_D)
+        _rotate_heads(q_ptr + b * sq_b + s * sq_s, qo_ptr + b * sqo_b + s * sqo_s, n_qh, sq_h, sqo_h, half,
+                      n_rest, c1, c2, s1, s2, o1, o2, BLOCK_HQ, BLOCK_D, COPY_REST, BLOCK_R, INTERLEAVED)
+        _rotate_heads(k_ptr + b * sk_b + s * sk_s, ko_ptr + b * sko_b + s * sko_s, n_kh, sk_h, sko_h, half,
+                      n_rest, c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, COPY_REST, BLOCK_R, INTERLEAVED)
     if BLOCK_V > 0:
         _copy_span(v_ptr + b * sv_b + s * sv_s, vo_ptr + b * svo_b + s * svo_s, n_v, BLOCK_V)
 
@@ -235,11 +314,13 @@ def _norm_rope_heads(x_ptr, xs_ptr, rs_ptr, w_ptr, n_heads, stride_h, stride_xs_
 
 @triton.jit
 def _norm_rope_heads_bwd(dy_ptr, dx_ptr, xs_ptr, rs_ptr, w_ptr, n_heads, stride_h, stride_xs_h, head_dim,
-                         half, n_rest, offset, c1, c2, s1, s2, o1, o2,
+                         half, n_rest, offset, c1, c2, s1, s2, o1, o2, dw1, dw2, dwr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """Backward of :func:`_norm_rope_heads` for one token's heads: dy (rotated-output gradient, head
-    stride ``stride_h``) -> dx (same layout); returns this token's fp32 weight gradient as (dw1, dw2, dwr),
-    the pair members' and the rest's. (c1, c2, s1, s2) are the transposed rotation's (BACKWARD) factors."""
+    stride ``stride_h``) -> dx (same layout); adds this token's fp32 weight-gradient terms to the
+    (BLOCK_H, BLOCK_D / BLOCK_R) accumulators (dw1, dw2, dwr) of the pair members and the rest, and returns
+    them: summed over heads only once, by the caller (a sum across the heads at every tile cost a
+    cross-warp reduction each). (c1, c2, s1, s2) are the transposed rotation's (BACKWARD) factors."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
@@ -248,9 +329,6 @@ def _norm_rope_heads_bwd(dy_ptr, dx_ptr, xs_ptr, rs_ptr, w_ptr, n_heads, stride_
     w1 = tl.load(w_ptr + o1, mask=dmask, other=0.0).to(tl.float32)[None, :] + offset
     w2 = tl.load(w_ptr + o2, mask=dmask, other=0.0).to(tl.float32)[None, :] + offset
     wr = tl.load(w_ptr + 2 * half + r, mask=rmask, other=0.0).to(tl.float32)[None, :] + offset
-    dw1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    dw2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    dwr = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for h0 in range(0, n_heads, BLOCK_H):
         hh = h0 + h
         hm = hh < n_heads
@@ -276,9 +354,9 @@ def _norm_rope_heads_bwd(dy_ptr, dx_ptr, xs_ptr, rs_ptr, w_ptr, n_heads, stride_
         tl.store(dx_row + o1[None, :], ((dn1 - n1 * mean[:, None]) * rstd[:, None]).to(dt), mask=m)
         tl.store(dx_row + o2[None, :], ((dn2 - n2 * mean[:, None]) * rstd[:, None]).to(dt), mask=m)
         tl.store(dx_row + 2 * half + r[None, :], ((dnr - nr * mean[:, None]) * rstd[:, None]).to(dt), mask=mr)
-        dw1 += tl.sum(g1 * n1, axis=0)
-        dw2 += tl.sum(g2 * n2, axis=0)
-        dwr += tl.sum(g_r * nr, axis=0)
+        dw1 += g1 * n1
+        dw2 += g2 * n2
+        dwr += g_r * nr
     return dw1, dw2, dwr
 
 
@@ -318,9 +396,12 @@ def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw
     r = tl.arange(0, BLOCK_R)
     dmask = d < half
     rmask = r < n_rest
-    zd = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    zr = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    q1, q2, qr, k1, k2, kr = zd, zd, zr, zd, zd, zr
+    q1 = tl.zeros((BLOCK_HQ, BLOCK_D), dtype=tl.float32)
+    q2 = tl.zeros((BLOCK_HQ, BLOCK_D), dtype=tl.float32)
+    qr = tl.zeros((BLOCK_HQ, BLOCK_R), dtype=tl.float32)
+    k1 = tl.zeros((BLOCK_HK, BLOCK_D), dtype=tl.float32)
+    k2 = tl.zeros((BLOCK_HK, BLOCK_D), dtype=tl.float32)
+    kr = tl.zeros((BLOCK_HK, BLOCK_R), dtype=tl.float32)
     for i in range(TOKENS):
         tok = (pid * TOKENS + i).to(tl.int64)
         if tok < n_tokens:
@@ -331,26 +412,24 @@ def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw
             row = tok * (n_qh + 2 * n_kh) * head_dim
             xs_tok = xs_ptr + tok * (n_qh + n_kh) * head_dim
             rs_tok = rs_ptr + tok * (n_qh + n_kh)
-            a1, a2, ar = _norm_rope_heads_bwd(dy_ptr + row, dx_ptr + row, xs_tok, rs_tok, wq_ptr, n_qh, head_dim,
+            q1, q2, qr = _norm_rope_heads_bwd(dy_ptr + row, dx_ptr + row, xs_tok, rs_tok, wq_ptr, n_qh, head_dim,
                                               head_dim, head_dim, half, n_rest, offset, c1, c2, s1, s2, o1, o2,
-                                              BLOCK_HQ, BLOCK_D, BLOCK_R)
-            q1, q2, qr = q1 + a1, q2 + a2, qr + ar
+                                              q1, q2, qr, BLOCK_HQ, BLOCK_D, BLOCK_R)
             kq = n_qh * head_dim
-            a1, a2, ar = _norm_rope_heads_bwd(dy_ptr + row + kq, dx_ptr + row + kq, xs_tok + kq, rs_tok + n_qh,
+            k1, k2, kr = _norm_rope_heads_bwd(dy_ptr + row + kq, dx_ptr + row + kq, xs_tok + kq, rs_tok + n_qh,
                                               wk_ptr, n_kh, head_dim, head_dim, head_dim, half, n_rest, offset,
-                                              c1, c2, s1, s2, o1, o2, BLOCK_HK, BLOCK_D, BLOCK_R)
-            k1, k2, kr = k1 + a1, k2 + a2, kr + ar
+                                              c1, c2, s1, s2, o1, o2, k1, k2, kr, BLOCK_HK, BLOCK_D, BLOCK_R)
             vo = row + (n_qh + n_kh) * head_dim
             _copy_span(dy_ptr + vo, dx_ptr + vo, n_kh * head_dim, BLOCK_V)  # the v heads pass through unchanged
     o1, o2, _ = _pair_offsets(d, half, INTERLEAVED)
     wq_row = dwq_ptr + pid * head_dim
     wk_row = dwk_ptr + pid * head_dim
-    tl.store(wq_row + o1, q1, mask=dmask)
-    tl.store(wq_row + o2, q2, mask=dmask)
-    tl.store(wq_row + 2 * half + r, qr, mask=rmask)
-    tl.store(wk_row + o1, k1, mask=dmask)
-    tl.store(wk_row + o2, k2, mask=dmask)
-    tl.store(wk_row + 2 * half + r, kr, mask=rmask)
+    tl.store(wq_row + o1, tl.sum(q1, axis=0), mask=dmask)
+    tl.store(wq_row + o2, tl.sum(q2, axis=0), mask=dmask)
+    tl.store(wq_row + 2 * half + r, tl.sum(qr, axis=0), mask=rmask)
+    tl.store(wk_row + o1, tl.sum(k1, axis=0), mask=dmask)
+    tl.store(wk_row + o2, tl.sum(k2, axis=0), mask=dmask)
+    tl.store(wk_row + 2 * half + r, tl.sum(kr, axis=0), mask=rmask)
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -387,15 +466,20 @@ def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.
     ss_b, ss_s = _cs_strides(sin)
     xv, vo = v if v is not None else (x_k, ko)
     n_v = int(xv.shape[2]) * int(D) if v is not None else 0
+    # Partial rotate-half rotary: whole-row tiles (_rotate_rows), as wide as the channels stored (the row, or
+    # in place only the rotary ones); whole-head and interleaved rotary keep the pair tiles (_rotate_heads).
+    row = not interleaved and n_rest > 0
+    block_f = triton.next_power_of_2(int(D) if copy_rest else 2 * half) if row else 1
+    block_h = block_f if row else block_d
     wrap_triton(_rope_kernel)[(B * S,)](
         x_q, x_k, cos, sin, qo, ko, xv, vo, S, Hq, Hkv,
         x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         xv.stride(0), xv.stride(1), vo.stride(0), vo.stride(1), n_v, sc_b, sc_s, ss_b, ss_s, half, n_rest,
         BACKWARD=backward, INTERLEAVED=interleaved, COPY_REST=copy_rest and n_rest > 0,
-        BLOCK_HQ=_head_block(int(Hq), block_d), BLOCK_HK=_head_block(int(Hkv), block_d),
+        BLOCK_HQ=_head_block(int(Hq), block_h), BLOCK_HK=_head_block(int(Hkv), block_h),
         BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_V=min(_TILE, triton.next_power_of_2(n_v)) if n_v else 0,
-        num_warps=_WARPS)
+        ROW=row, BLOCK_F=block_f, num_warps=_WARPS)
 
 
 def _rotate_new(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

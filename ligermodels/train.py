@@ -1073,10 +1073,11 @@ class StepProfiler:
     no computation overlaps, then the top kernels; and ``OUT/profile.json``, the same totals per step as
     numbers (for benchmarks).
 
-    The memory at the peak (the allocator's trace with Python stacks) is recorded on one rank only: on two
-    H100s under FSDP2 (torch 2.11) the Python tracer and the allocator's Python stacks together made an
-    autograd Function's ``apply`` return NULL without an exception, and both ranks aborted at the first
-    profiled step; without the allocator trace the same run profiles."""
+    The memory at the peak (the allocator's trace with Python stacks) is recorded only by a single process
+    without activation checkpointing (``memory_trace``): on two H100s under FSDP2, and on one GPU with
+    ``--ac selective`` (torch 2.11), the Python tracer and the allocator's Python stacks together made an
+    autograd Function's ``apply`` return NULL without an exception ("corrupted double-linked list"), and the
+    process aborted at the first profiled step; without the allocator trace the same runs profile."""
 
     #: Kernel-name patterns -> category, first match wins.
     CATEGORIES = (("attention", r"flash|fmha|attention|_attn|sdpa|flex"),  # before matmul: FlashAttention's
@@ -1093,8 +1094,9 @@ class StepProfiler:
     #: Kineto activity types of device events that are GPU work (not sync waits or annotations).
     DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
-    def __init__(self, enabled: bool, steps: int, first: int = 5, count: int = 2):
+    def __init__(self, enabled: bool, steps: int, memory_trace: bool, first: int = 5, count: int = 2):
         first = min(first, max(0, steps - count))
+        self.memory_trace = memory_trace
         self.steps = range(first + 1, min(first + count, steps) + 1) if enabled else range(0)
         self.prof, self.t0 = None, 0.0
         self.mem_base: int | None = None  # CUDA: bytes allocated when the profiled steps began
@@ -1108,7 +1110,7 @@ class StepProfiler:
             self.prof = profile(activities=activities, with_stack=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-                if not (dist.is_initialized() and dist.get_world_size() > 1):  # see the class docstring
+                if self.memory_trace:  # see the class docstring
                     self.mem_base = torch.cuda.memory_allocated(device)
                     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
             self.prof.__enter__()
@@ -1345,7 +1347,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # checkpoint, and the last, are read at once (a non-finite one never reaches a checkpoint or final/).
     progress = Progress(args.steps, args.log_every)
     max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-    profiler = StepProfiler(args.profile, args.steps)
+    profiler = StepProfiler(args.profile, args.steps, memory_trace=world == 1 and args.ac == "none")
     # The loop's only CPU tensor work is cutting rows (gathers of a few thousand ids). With intra-op
     # parallelism, OpenMP workers woke and spun for each: 39 ms of a 190 ms step went to them on an H100
     # host (16 cores), taken from the thread that launches the kernels. One thread does it in 0.2 ms.

@@ -420,3 +420,47 @@ def test_qk_norm_rope_custom_ops_pass_opcheck():
     xs, rs = torch.ops.ligermodels.qk_norm_rope_qkv_(qkv.clone(), cos, sin, w, w, 4, 2, 1e-6, 0.0, 0, True)
     torch.library.opcheck(torch.ops.ligermodels.qk_norm_rope_qkv_bwd.default,
                           (qkv.clone(), xs, rs, cos, sin, w, w, 4, 2, 0.0, True), test_utils=checks)
+
+
+ROW_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim): partial rotate-half, the row path
+    (1, 3, 20, 3, 80, 48),  # Phi-2-like widths; 20 q heads: the head loop runs more than once (8 rows of 128)
+    (2, 3, 5, 2, 70, 22),   # neither D nor R/2 a power of two, R not a multiple of 16
+]
+
+
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_partial_rope_general_cos_sin_halves(case, dtype):
+    """Partial rotate-half rotary with cos/sin whose halves differ (the backward's swapped, negated sine halves
+    would hide behind HF's duplicated ones): apply_rope and apply_rope_qkv_, forward and gradients, against
+    float64; the channels past R pass unchanged, in place too."""
+    B, S, hq, hkv, d, rd = case
+    seed = zlib.crc32(repr(("row", case, dtype)).encode()) % 10_000
+    leaf, q, k = _qk(B, S, hq, hkv, d, dtype, True, seed)
+    cos, sin = randn(B, S, rd, seed=seed + 1), randn(B, S, rd, seed=seed + 2)
+    dq_rot = randn(B, S, hq, d, dtype=dtype, seed=seed + 3)
+    dk_rot = randn(B, S, hkv, d, dtype=dtype, seed=seed + 4)
+    assert_triton_runs(q)
+    q_rot, k_rot = apply_rope(q, k, cos, sin)
+    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (dq_rot, dk_rot))
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    rq, rk = _hf_rope64(q64, cos, sin, False), _hf_rope64(k64, cos, sin, False)
+    rdq, rdk = torch.autograd.grad((rq, rk), (q64, k64), (dq_rot.double(), dk_rot.double()))
+    for ours, ref, what in zip((q_rot, k_rot, dq, dk), (rq, rk, rdq, rdk), ("q_rot", "k_rot", "dq", "dk"), strict=True):
+        assert_rel(ours, ref, dtype, what)
+    assert torch.equal(q_rot[..., rd:], q.detach()[..., rd:]), "pass-through channels changed"
+    assert torch.equal(dk[..., rd:], dk_rot[..., rd:]), "pass-through gradient changed"
+
+    heads = hq + 2 * hkv
+    x = leaf.detach().reshape(B, S, heads * d).clone().requires_grad_()
+    buf = x * 1
+    out = apply_rope_qkv_(buf, cos, sin, hq, hkv)
+    assert out is buf
+    g = torch.cat([dq_rot, dk_rot, randn(B, S, hkv, d, dtype=dtype, seed=seed + 5)], dim=2)
+    (dx,) = torch.autograd.grad(out, x, g.flatten(2))
+    o4, dx4 = out.detach().view(B, S, heads, d), dx.view(B, S, heads, d)
+    assert torch.equal(o4[:, :, :hq], q_rot) and torch.equal(o4[:, :, hq:hq + hkv], k_rot)
+    assert torch.equal(o4[..., rd:], leaf.detach()[..., rd:]), "in place: pass-through channels changed"
+    assert torch.equal(o4[:, :, hq + hkv:], leaf.detach()[:, :, hq + hkv:]), "v heads changed"
+    assert torch.equal(dx4[:, :, :hq], dq) and torch.equal(dx4[:, :, hq:hq + hkv], dk)
+    assert torch.equal(dx4[:, :, hq + hkv:], g[:, :, hq + hkv:]), "v gradient changed"
