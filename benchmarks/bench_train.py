@@ -744,16 +744,18 @@ def main(argv=None) -> None:
             print({k: v for k, v in row.items() if k not in ("losses", "error")}, row.get("error", "")[-600:],
                   flush=True)
             shape_rows.append(row)
-            if args.lora:  # after every run: a later one that runs out of time loses nothing
+            # written after every run: a later one that runs out of time loses nothing (a call's time limit
+            # once cut a shape before its finished runs were written)
+            if args.lora:
                 write_lora(args, env, rows + shape_rows, [], low, high)
+            else:
+                checks[f"{model}:b{batch}"] = targets(shape_rows)
+                write(args, env, rows + shape_rows, checks, low, high)
         rows += shape_rows
-        # written after every shape: a later one that runs out of time loses nothing
         if args.lora:  # the checks of the file's rows of this shape (other calls may have run other impls)
             print(json.dumps(write_lora(args, env, rows, [], low, high)[f"{model}:b{batch}"]), flush=True)
         else:
-            checks[f"{model}:b{batch}"] = targets(shape_rows)
             print(json.dumps(checks[f"{model}:b{batch}"]), flush=True)
-            write(args, env, rows, checks, low, high)
 
 
 def write(args, env: dict, rows: list[dict], checks: dict, low: int, high: int) -> None:

@@ -42,6 +42,29 @@ def test_full_fine_tuning_targets_reproduce_the_committed_checks(path):
         assert bt.targets(rows) == checks, shape
 
 
+def test_a_run_cut_short_keeps_the_shapes_finished_runs_in_the_file(tmp_path, monkeypatch):
+    """Rows are written after every run: a call's time limit that kills the third run of a shape leaves the
+    first two (with their shape's checks) in the results file."""
+    monkeypatch.setattr(bt, "write_inputs", lambda work, model, tokens, words: ("model_dir", "data.jsonl"))
+    monkeypatch.setattr(bt, "run_ligermodels", lambda *a: {"tokens_per_s": 300.0, "peak_mem_gb": 5.0})
+
+    def worker(args, impl, *rest):
+        if impl == "hf+compile":
+            raise KeyboardInterrupt  # what the outer timeout's signal does to the bench
+        return {"tokens_per_s": 200.0, "peak_mem_gb": 10.0}
+
+    monkeypatch.setattr(bt, "run_worker", worker)
+    argv = ["--out", str(tmp_path / "work"), "--results", str(tmp_path), "--runs", "qwen2-1.5b:4",
+            "--impls", "ligermodels", "hf+liger", "hf+compile", "--tag=-cut"]
+    with pytest.raises(KeyboardInterrupt):
+        bt.main(argv)
+    (path,) = glob.glob(str(tmp_path / "train-*-cut.json"))
+    with open(path) as f:
+        written = json.load(f)
+    assert [r["impl"] for r in written["rows"]] == ["ligermodels", "hf+liger"]
+    assert written["checks"]["qwen2-1.5b:b4"]["memory_vs_hf_liger"]["ratio"] == 0.5
+
+
 def test_lora_targets():
     rows = [_row("ligermodels-lora", 13000.0, 14.0), _row("hf+peft+liger", 9000.0, 20.0),
             _row("hf+peft+compile", 10000.0, 24.0), _row("hf+peft", 50000.0, 10.0)]  # hf+peft: no rival
