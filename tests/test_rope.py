@@ -305,16 +305,12 @@ PARTIAL_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim)
 ]
 
 
-@pytest.mark.parametrize("case", PARTIAL_CASES, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_partial_and_interleaved_rope_match_float64(case, interleaved, dtype):
-    """apply_rope and apply_rope_qkv_ with cos/sin narrower than the head (partial rotary) and GPT-J pairs:
-    forward and gradients against transformers' formula in float64; the channels past R pass unchanged."""
+def _check_partial_rope(case, dtype, interleaved: bool, cos: torch.Tensor, sin: torch.Tensor, seed: int) -> None:
+    """apply_rope and apply_rope_qkv_ (in place on the packed buffer) with rotary tables ``cos`` / ``sin`` of
+    R <= D channels: forward and gradients against transformers' formula in float64; the channels past R and
+    the v heads pass unchanged, in place too; the in-place pass gives the out-of-place results bit for bit."""
     B, S, hq, hkv, d, rd = case
-    seed = zlib.crc32(repr(("partial", case, interleaved, dtype)).encode()) % 10_000
     leaf, q, k = _qk(B, S, hq, hkv, d, dtype, True, seed)
-    cos, sin = _cos_sin(_positions(B, S, True, seed), rd, torch.float32)
     dq_rot = randn(B, S, hq, d, dtype=dtype, seed=seed + 2)
     dk_rot = randn(B, S, hkv, d, dtype=dtype, seed=seed + 3)
     assert_triton_runs(q)
@@ -326,6 +322,7 @@ def test_partial_and_interleaved_rope_match_float64(case, interleaved, dtype):
     for ours, ref, what in zip((q_rot, k_rot, dq, dk), (rq, rk, rdq, rdk), ("q_rot", "k_rot", "dq", "dk"), strict=True):
         assert_rel(ours, ref, dtype, what)
     assert torch.equal(q_rot[..., rd:], q.detach()[..., rd:]), "pass-through channels changed"
+    assert torch.equal(dk[..., rd:], dk_rot[..., rd:]), "pass-through gradient changed"
 
     heads = hq + 2 * hkv
     x = leaf.detach().reshape(B, S, heads * d).clone().requires_grad_()
@@ -336,9 +333,21 @@ def test_partial_and_interleaved_rope_match_float64(case, interleaved, dtype):
     (dx,) = torch.autograd.grad(out, x, g.flatten(2))
     o4, dx4 = out.detach().view(B, S, heads, d), dx.view(B, S, heads, d)
     assert torch.equal(o4[:, :, :hq], q_rot) and torch.equal(o4[:, :, hq:hq + hkv], k_rot)
+    assert torch.equal(o4[..., rd:], leaf.detach()[..., rd:]), "in place: pass-through channels changed"
     assert torch.equal(o4[:, :, hq + hkv:], leaf.detach()[:, :, hq + hkv:]), "v heads changed"
     assert torch.equal(dx4[:, :, :hq], dq) and torch.equal(dx4[:, :, hq:hq + hkv], dk)
     assert torch.equal(dx4[:, :, hq + hkv:], g[:, :, hq + hkv:]), "v gradient changed"
+
+
+@pytest.mark.parametrize("case", PARTIAL_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_partial_and_interleaved_rope_match_float64(case, interleaved, dtype):
+    """Partial rotary (cos/sin narrower than the head) and GPT-J pairs, with transformers' cos/sin tables."""
+    B, S = case[:2]
+    seed = zlib.crc32(repr(("partial", case, interleaved, dtype)).encode()) % 10_000
+    cos, sin = _cos_sin(_positions(B, S, True, seed), case[5], torch.float32)
+    _check_partial_rope(case, dtype, interleaved, cos, sin, seed)
 
 
 NORM_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim)
@@ -432,35 +441,8 @@ ROW_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim): partial 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_partial_rope_general_cos_sin_halves(case, dtype):
     """Partial rotate-half rotary with cos/sin whose halves differ (the backward's swapped, negated sine halves
-    would hide behind HF's duplicated ones): apply_rope and apply_rope_qkv_, forward and gradients, against
-    float64; the channels past R pass unchanged, in place too."""
-    B, S, hq, hkv, d, rd = case
+    would hide behind HF's duplicated ones)."""
+    B, S, rd = case[0], case[1], case[5]
     seed = zlib.crc32(repr(("row", case, dtype)).encode()) % 10_000
-    leaf, q, k = _qk(B, S, hq, hkv, d, dtype, True, seed)
-    cos, sin = randn(B, S, rd, seed=seed + 1), randn(B, S, rd, seed=seed + 2)
-    dq_rot = randn(B, S, hq, d, dtype=dtype, seed=seed + 3)
-    dk_rot = randn(B, S, hkv, d, dtype=dtype, seed=seed + 4)
-    assert_triton_runs(q)
-    q_rot, k_rot = apply_rope(q, k, cos, sin)
-    dq, dk = torch.autograd.grad((q_rot, k_rot), (q, k), (dq_rot, dk_rot))
-    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    rq, rk = _hf_rope64(q64, cos, sin, False), _hf_rope64(k64, cos, sin, False)
-    rdq, rdk = torch.autograd.grad((rq, rk), (q64, k64), (dq_rot.double(), dk_rot.double()))
-    for ours, ref, what in zip((q_rot, k_rot, dq, dk), (rq, rk, rdq, rdk), ("q_rot", "k_rot", "dq", "dk"), strict=True):
-        assert_rel(ours, ref, dtype, what)
-    assert torch.equal(q_rot[..., rd:], q.detach()[..., rd:]), "pass-through channels changed"
-    assert torch.equal(dk[..., rd:], dk_rot[..., rd:]), "pass-through gradient changed"
-
-    heads = hq + 2 * hkv
-    x = leaf.detach().reshape(B, S, heads * d).clone().requires_grad_()
-    buf = x * 1
-    out = apply_rope_qkv_(buf, cos, sin, hq, hkv)
-    assert out is buf
-    g = torch.cat([dq_rot, dk_rot, randn(B, S, hkv, d, dtype=dtype, seed=seed + 5)], dim=2)
-    (dx,) = torch.autograd.grad(out, x, g.flatten(2))
-    o4, dx4 = out.detach().view(B, S, heads, d), dx.view(B, S, heads, d)
-    assert torch.equal(o4[:, :, :hq], q_rot) and torch.equal(o4[:, :, hq:hq + hkv], k_rot)
-    assert torch.equal(o4[..., rd:], leaf.detach()[..., rd:]), "in place: pass-through channels changed"
-    assert torch.equal(o4[:, :, hq + hkv:], leaf.detach()[:, :, hq + hkv:]), "v heads changed"
-    assert torch.equal(dx4[:, :, :hq], dq) and torch.equal(dx4[:, :, hq:hq + hkv], dk)
-    assert torch.equal(dx4[:, :, hq + hkv:], g[:, :, hq + hkv:]), "v gradient changed"
+    cos, sin = randn(B, S, rd, seed=seed + 10), randn(B, S, rd, seed=seed + 11)
+    _check_partial_rope(case, dtype, False, cos, sin, seed)
