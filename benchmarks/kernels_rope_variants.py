@@ -5,15 +5,16 @@ what transformers does and against torch.compile of that eager code.
 Ops (the ``op`` of a row; the README's kernel table has one line per op and pass, min-max over its shapes):
 
 * ``qk_norm_rope``: ``apply_qk_norm_rope_qkv_`` in place on the packed (B, S, (Hq + 2*Hkv) * D) projection
-  output, as the attention block runs it. Baselines: transformers' order on separate q (B, S, Hq, D) and
-  k (B, S, Hkv, D) tensors, ``q_norm`` / ``k_norm`` (an RMSNorm over each head) then rotate-half RoPE. Shapes:
-  Qwen3-1.7B (16 q / 8 kv heads of 128, Llama rounding ``w * n.to(dtype)``) and Gemma 3 ("-gemma": 8 / 4 heads
-  of 256 as Gemma3TextConfig's defaults and Gemma-3-4B, ``(1 + w)`` in fp32, offset 1).
+  output, as the attention block runs it (``reuse_grad=True``: the backward writes over the incoming gradient).
+  Baselines: transformers' order on separate q (B, S, Hq, D) and k (B, S, Hkv, D) tensors, ``q_norm`` /
+  ``k_norm`` (an RMSNorm over each head) then rotate-half RoPE. Shapes: Qwen3-1.7B (16 q / 8 kv heads of 128,
+  Llama rounding ``w * n.to(dtype)``) and Gemma 3 ("-gemma": 8 / 4 heads of 256 as Gemma3TextConfig's defaults
+  and Gemma-3-4B, ``(1 + w)`` in fp32, offset 1).
 * ``rope_partial``: ``apply_rope`` (out of place, separate q and k) rotating the first 96 of 128 channels
   (Phi-4-mini: 24 / 8 heads, ``partial_rotary_factor`` 0.75), against transformers' Phi-3 code (rotate the first
   R channels, concatenate the others).
 * ``rope_partial_inplace``: the same rotation by ``apply_rope_qkv_`` in place on the packed projection, what
-  the model runs; same baselines.
+  the model runs (``reuse_grad=True``, as the block: the backward too rotates in place); same baselines.
 * ``rope_interleaved`` / ``rope_interleaved_inplace``: GLM-4's interleaved pairs (2i, 2i + 1) on the first 64
   of 128 channels (GLM-4-9B, Glm4Config's defaults: 32 / 2 heads, ``partial_rotary_factor`` 0.5), against
   transformers' GLM-4 code (``cos[..., :R/2].repeat_interleave(2)``, rotate the even/odd pairs).
@@ -21,14 +22,15 @@ Ops (the ``op`` of a row; the README's kernel table has one line per op and pass
 cos / sin are per token (B, S, R) in the model dtype, as transformers passes them and as benchmarks/kernels_rope.py
 does. B x S: 4 x 2048 (the end-to-end benchmarks' batch 4 at seq 2048) and 4 x 8192.
 
-Timing an in-place op. The harness calls each implementation many times on the same inputs, and an in-place
-op cannot take a leaf that requires grad. Ours therefore receives the leaf through :class:`_Alias`, an autograd
+Timing an in-place op. The harness calls each implementation many times on the same inputs, and an in-place op
+cannot take a leaf that requires grad. Ours therefore receives the leaf through :class:`_Alias`, an autograd
 Function whose forward returns ``qkv.detach()`` (the same storage, no kernel) and whose backward passes the
-gradient through (no kernel): every call then modifies the one buffer in place and gets a fresh, short graph,
-so the kernel time is the op's alone (the wall time includes one extra Python-level Function call). Repeated
-calls rotate (and normalise) the buffer again; the values stay finite, and the kernels' time does not depend
-on them. The baselines take separate contiguous q and k, as transformers' projections produce them, so their
-backward is timed with respect to those tensors (no slicing or concatenation counted).
+gradient through (no kernel): every call then modifies the one buffer in place and gets a fresh, short graph, so
+the kernel time is the op's alone (the wall time includes one extra Python-level Function call). Repeated calls
+rotate (and normalise) the buffer again, and with ``reuse_grad`` the backward rewrites the harness's output
+gradient each call; the kernels' time does not depend on the values. The baselines take separate contiguous q and
+k, as transformers' projections produce them, so their backward is timed with respect to those tensors (no
+slicing or concatenation counted).
 
 Bytes counted, the fewest each pass must move for the math (T = B*S tokens, s bytes per element, cos and sin
 read once per token: 2*T*R*s; the (D,) norm weights and their gradients are negligible and not counted):
@@ -38,13 +40,12 @@ read once per token: 2*T*R*s; the (D,) norm weights and their gradients are negl
   the issue asks for in-place: the output overwrites the input, which the norm's backward needs (an
   out-of-place baseline keeps its input alive instead, at the price of one more (T, Hq + Hkv, D) buffer).
   The v heads are not touched. Backward 3*T*(Hq + Hkv)*D*s (read the output gradient and the saved input of
-  the q and k heads, write their input gradient). Not counted: the backward also copies the v heads'
-  gradient into its new buffer and writes one fp32 (D,) partial weight gradient per token and weight.
+  the q and k heads, write their input gradient over the output gradient; the v heads' gradient is already
+  in place). Not counted: one fp32 (D,) partial weight gradient per 8 tokens and weight, and their sum.
 * ``rope_partial``, ``rope_interleaved`` (out of place): forward and backward 2*T*(Hq + Hkv)*D*s (whole heads
   read and written: the channels past R are copied).
-* ``*_inplace``: forward 2*T*(Hq + Hkv)*R*s (in place only the R rotary channels of the q and k heads change),
-  backward 2*T*(Hq + Hkv)*D*s (the gradient is a new buffer: whole q and k heads read and written; the copy of
-  the v heads' gradient is not counted).
+* ``*_inplace``: forward and backward 2*T*(Hq + Hkv)*R*s (in place only the R rotary channels of the q and k
+  heads change; with ``reuse_grad`` the backward rotates the incoming gradient's back where they are).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class Case:
         if self.norm:
             return 3 * qk * d + tables, 3 * qk * d + tables
         if self.inplace:
-            return 2 * qk * self.rotary + tables, 2 * qk * d + tables
+            return 2 * qk * self.rotary + tables, 2 * qk * self.rotary + tables
         return 2 * qk * d + tables, 2 * qk * d + tables
 
 
@@ -187,12 +188,13 @@ def ours_fn(case: Case):
         offset, casting = (1.0, "gemma") if case.norm == "gemma" else (0.0, "llama")
 
         def qk_norm_rope(qkv, cos, sin, wq, wk):
-            return apply_qk_norm_rope_qkv_(_Alias.apply(qkv), cos, sin, hq, hkv, wq, wk, EPS, offset, casting)
+            return apply_qk_norm_rope_qkv_(_Alias.apply(qkv), cos, sin, hq, hkv, wq, wk, EPS, offset, casting,
+                                           reuse_grad=True)
 
         return qk_norm_rope
     if case.inplace:
         def rope_inplace(qkv, cos, sin):
-            return apply_rope_qkv_(_Alias.apply(qkv), cos, sin, hq, hkv, case.interleaved)
+            return apply_rope_qkv_(_Alias.apply(qkv), cos, sin, hq, hkv, case.interleaved, reuse_grad=True)
 
         return rope_inplace
     return functools.partial(apply_rope, interleaved=case.interleaved)

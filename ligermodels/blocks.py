@@ -137,12 +137,14 @@ class Attention(nn.Module):
                mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
         """(B, S, (Hq + 2*Hkv) * D) q/k/v projection output (rotated in place) -> (B, S, H)."""
         b, s, _ = qkv.shape
+        # reuse_grad: qkv's gradient reaches these ops only as the concatenation of q's, k's and v's (the split
+        # below), a buffer nothing else reads, so their backward rotates it back in place.
         if self.q_norm is not None:
             qn, kn = self.q_norm, self.k_norm
             qkv = apply_qk_norm_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads, qn.weight, kn.weight,
-                                          qn.eps, qn.offset, qn.casting, self.interleaved)
+                                          qn.eps, qn.offset, qn.casting, self.interleaved, reuse_grad=True)
         else:
-            qkv = apply_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.interleaved)
+            qkv = apply_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.interleaved, reuse_grad=True)
         qkv = qkv.view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
         if cache is not None:  # generation: store k/v in the cache, attend over it

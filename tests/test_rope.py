@@ -243,6 +243,8 @@ def test_rope_custom_ops_pass_opcheck():
     qkv = randn(1, 3, 8 * 64, seed=8)
     for op in (torch.ops.ligermodels.rope_qkv_.default, torch.ops.ligermodels.rope_qkv_bwd.default):
         torch.library.opcheck(op, (qkv.clone(), cos, sin, 4, 2), test_utils=checks)
+    torch.library.opcheck(torch.ops.ligermodels.rope_qkv_.default, (qkv.clone(), cos, sin, 4, 2, False, True),
+                          test_utils=checks)
 
 
 def test_rope_empty_sequence():
@@ -427,8 +429,51 @@ def test_qk_norm_rope_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.ligermodels.qk_norm_rope_qkv_.default,
                           (qkv.clone(), cos, sin, w, w, 4, 2, 1e-6, 0.0, 0, True), test_utils=checks)
     xs, rs = torch.ops.ligermodels.qk_norm_rope_qkv_(qkv.clone(), cos, sin, w, w, 4, 2, 1e-6, 0.0, 0, True)
-    torch.library.opcheck(torch.ops.ligermodels.qk_norm_rope_qkv_bwd.default,
-                          (qkv.clone(), xs, rs, cos, sin, w, w, 4, 2, 0.0, True), test_utils=checks)
+    for op in (torch.ops.ligermodels.qk_norm_rope_qkv_bwd.default, torch.ops.ligermodels.qk_norm_rope_qkv_bwd_.default):
+        torch.library.opcheck(op, (qkv.clone(), xs, rs, cos, sin, w, w, 4, 2, 0.0, True), test_utils=checks)
+
+
+REUSE_CASES = [  # (op, (batch, seq, q_heads, kv_heads, head_dim, rotary_dim), interleaved)
+    ("rope", (2, 5, 6, 2, 40, 30), False),  # partial rotate-half: the row path
+    ("rope", (1, 7, 3, 3, 24, 12), True),
+    ("rope", (2, 3, 5, 1, 32, 32), False),
+    ("qk_norm", (2, 5, 6, 2, 24, 24), False),
+    ("qk_norm", (1, 6, 5, 1, 40, 30), True),
+    ("qk_norm", (3, 3, 20, 4, 64, 64), False),  # more q heads than one tile holds
+]
+
+
+@pytest.mark.parametrize("op,case,interleaved", REUSE_CASES,
+                         ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) else str(c))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reuse_grad_writes_the_same_gradient_over_the_incoming_one(op, case, interleaved, dtype):
+    """``reuse_grad=True`` (what the attention block passes): the packed ops' backward gives the same qkv and
+    weight gradients, bit for bit, as with a new buffer, and writes the qkv gradient over the incoming one
+    (its v heads and pass-through channels already are that); without it the incoming gradient is untouched."""
+    B, S, hq, hkv, d, rd = case
+    heads = hq + 2 * hkv
+    seed = zlib.crc32(repr(("reuse", op, case, interleaved, dtype)).encode()) % 10_000
+    x = randn(B, S, heads * d, dtype=dtype, seed=seed, scale=3.0).requires_grad_()
+    w = [(randn(d, seed=seed + i) * 0.5 + 1).to(dtype).requires_grad_() for i in (1, 2)]
+    cos, sin = _cos_sin(_positions(B, S, True, seed), rd, torch.float32)
+    g = randn(B, S, heads * d, dtype=dtype, seed=seed + 3)
+    assert_triton_runs(x)
+
+    def grads(reuse: bool, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if op == "rope":
+            out = apply_rope_qkv_(x * 1, cos, sin, hq, hkv, interleaved, reuse_grad=reuse)
+            return torch.autograd.grad(out, x, grad)
+        out = apply_qk_norm_rope_qkv_(x * 1, cos, sin, hq, hkv, *w, 1e-6, 1.0, "gemma", interleaved, reuse_grad=reuse)
+        return torch.autograd.grad(out, (x, *w), grad)
+
+    kept = g.clone()
+    ref = grads(False, kept)
+    assert torch.equal(kept, g), "reuse_grad=False changed the incoming gradient"
+    ours = grads(True, kept)
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(kept, ref[0]), "reuse_grad=True did not write qkv's gradient over the incoming one"
+    assert not torch.equal(kept, g)
 
 
 ROW_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim): partial rotate-half, the row path
