@@ -17,7 +17,10 @@ views of one packed projection buffer as the decoder layer passes them:
   training forward it is built once and shared by every layer: its build time is a separate row);
 * ``flex-documents <options>``: the same with FlexAttention ``kernel_options`` (``--flex-options``), to
   tune the backward at head_dim 256;
-* ``softcap`` shapes (Gemma 2): attention-logit soft-capping, FlexAttention's ``score_mod``, the only path.
+* ``softcap`` shapes (Gemma 2): attention-logit soft-capping. ``flex-causal`` / ``flex-documents``:
+  FlexAttention's ``score_mod`` over whole rows / within documents (the default at head dim 256); ``triton-causal``
+  / ``triton-documents`` (and ``triton-documents <tiles>``): this package's kernel with ``softcap``
+  (``LIGERMODELS_SOFTCAP_ATTENTION=triton``, the default at head dims 64 and 128).
 
 Each row: kernel time of forward + backward (``benchmarks.harness.kernel_ms``: device time, L2 flushed),
 the useful flops (4 * D * Hq per allowed (query, key) pair forward, 2.5 x that backward) and their rate,
@@ -105,6 +108,31 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
+def implementations(softcap: float | None, triton_configs: list[dict] = (), flex_options: list[dict] = ()
+                    ) -> list[tuple[str, str, dict | None, str, bool]]:
+    """(impl, masked-attention setting, tiles or FlexAttention options, attention, within documents?) of every row
+    of a shape: the attention is "whole_rows", "within_documents" or "cudnn_documents". The setting also picks
+    soft-capped attention's path: "triton" this package's kernel, any other FlexAttention."""
+    def tiles(c):
+        return f"triton-documents {json.dumps(c, separators=(',', ':'))}"
+
+    if softcap is None:
+        impls = [("cudnn-causal", "flash", None, "whole_rows", False),
+                 ("triton-documents", "triton", None, "within_documents", True)]
+        impls += [(tiles(c), "triton", c, "within_documents", True) for c in triton_configs]
+        impls += [("flash-documents", "flash", None, "within_documents", True),
+                  ("cudnn-documents (experiment)", "flash", None, "cudnn_documents", True)]
+    else:  # no cuDNN or FlashAttention: SDPA has no soft-capping
+        impls = [("flex-causal", "flex", None, "whole_rows", False),
+                 ("triton-causal", "triton", None, "whole_rows", False),
+                 ("triton-documents", "triton", None, "within_documents", True)]
+        impls += [(tiles(c), "triton", c, "within_documents", True) for c in triton_configs]
+    impls.append(("flex-documents", "flex", None, "within_documents", True))
+    impls += [(f"flex-documents {json.dumps(o, separators=(',', ':'))}", "flex", o, "within_documents", True)
+              for o in flex_options]
+    return impls
+
+
 def run_shape(name: str, flex_options: list[dict], check: bool, triton_configs: list[dict] = ()) -> list[dict]:
     """Every implementation at one shape: result rows (and the block-mask build time)."""
     from benchmarks.harness import kernel_ms
@@ -142,25 +170,18 @@ def run_shape(name: str, flex_options: list[dict], check: bool, triton_configs: 
     def cudnn_documents(q, k, v):
         return cudnn_varlen(q, k, v, documents.cu_seqlens, documents.max_len, scale)
 
-    # (impl, masked-attention setting, FlexAttention options, attention of q/k/v, within documents?)
-    impls = [("cudnn-causal" if softcap is None else "flex-causal", "flash", None, whole_rows, False)]
-    if softcap is None:
-        impls += [("triton-documents", "triton", None, within_documents, True)]
-        impls += [(f"triton-documents {json.dumps(c, separators=(',', ':'))}", "triton", c, within_documents, True)
-                  for c in triton_configs]
-        impls += [("flash-documents", "flash", None, within_documents, True),
-                  ("cudnn-documents (experiment)", "flash", None, cudnn_documents, True)]
-    impls.append(("flex-documents", "flex", None, within_documents, True))
-    impls += [(f"flex-documents {json.dumps(o, separators=(',', ':'))}", "flex", o, within_documents, True)
-              for o in flex_options]
+    attends = {"whole_rows": whole_rows, "within_documents": within_documents, "cudnn_documents": cudnn_documents}
+    impls = [(impl, masked, opts, attends[attend], documents_on)
+             for impl, masked, opts, attend, documents_on in implementations(softcap, triton_configs, flex_options)]
 
     ref = None
     rows = []
     defaults = dict(attention.FLEX_KERNEL_OPTIONS)
-    masked_default = attention.MASKED_ATTENTION
+    masked_default, softcap_default = attention.MASKED_ATTENTION, attention.SOFTCAP_ATTENTION
     head_dims = attention.TRITON_HEAD_DIMS
     for impl, masked, opts, attend, documents_on in impls:
         attention.MASKED_ATTENTION = masked
+        attention.SOFTCAP_ATTENTION = "triton" if masked == "triton" else "flex"  # at every head dim
         attention.TRITON_HEAD_DIMS = (d,) if masked == "triton" else head_dims  # measured at every head dim
         if masked == "triton" and opts:
             os.environ["LIGERMODELS_DOC_ATTENTION_CONFIG"] = json.dumps(opts)
@@ -194,6 +215,7 @@ def run_shape(name: str, flex_options: list[dict], check: bool, triton_configs: 
         print(json.dumps(row), flush=True)
         rows.append(row)
     attention.MASKED_ATTENTION, attention.FLEX_KERNEL_OPTIONS, attention._compiled_flex = masked_default, defaults, None
+    attention.SOFTCAP_ATTENTION = softcap_default
     attention.TRITON_HEAD_DIMS = head_dims
     os.environ.pop("LIGERMODELS_DOC_ATTENTION_CONFIG", None)
 
@@ -212,7 +234,7 @@ def main(argv=None) -> None:
     ap.add_argument("--flex-shapes", nargs="+", default=["gemma2-2b:4"], choices=list(SHAPES),
                     help="the shapes --flex-options are tried at")
     ap.add_argument("--triton-configs", default="[]",
-                    help='JSON list of kernels.attention tile sets to try at every shape without soft-capping, e.g. '
+                    help='JSON list of kernels.attention tile sets to try at every shape, e.g. '
                          '\'[{"fwd": [128, 64, 8, 3], "kv": [64, 128, 8, 3], "q": [128, 64, 8, 3]}]\'')
     ap.add_argument("--no-check", action="store_true", help="skip the float64 comparison")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")

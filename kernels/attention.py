@@ -29,6 +29,11 @@ batch x q head) accumulates dQ.
 With ``P = softmax(scale * Q K^T)`` and ``dS = P * (dO V^T - delta)``:
 ``dV = P^T dO``, ``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
 
+Soft-capping (Gemma 2, ``softcap=cap``): the logits are ``cap * T`` with ``T = tanh(scale * Q K^T / cap)``
+(before the mask); in base 2 ``cap * log2(e) * T``, ``tanh`` computed from one ``exp2``. The backward
+recomputes ``T`` and ``P`` the same way and goes through the cap with ``dS = P * (dO V^T - delta) * (1 - T^2)``,
+the formulas above unchanged otherwise. Off, the kernels compile without it (a constexpr).
+
 Flops (useful: allowed pairs only): forward 4 * D * Hq per pair, backward 10 * D * Hq (two more matmuls and
 the recomputed QK^T). Bytes are small against them (q, k, v, o and their gradients once each, plus
 re-reads of q/dO per key block and k/v per query block, mostly from L2).
@@ -60,17 +65,29 @@ def _allowed(q_idx, k_idx, starts_q, window, HAS_WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _tanh_exp2(x2):
+    """tanh(x) given ``x2 = 2 * x * log2(e)``: ``1 - 2 / (2^x2 + 1)``, fp32. exp2 rather than libdevice's tanh, so
+    the interpreter runs it too; it saturates to exactly +-1 (2^x2 overflows to inf, or underflows to 0), and
+    its error is a few ulp of 1 (absolute, so a logit ``cap * tanh`` is off by about cap * 1e-7)."""
+    return 1.0 - 2.0 / (tl.math.exp2(x2) + 1.0)
+
+
+@triton.jit
 def _fwd_run(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, starts_m, lo, hi, S, window,
-             qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-             MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of one query block over the key blocks [lo, hi): (acc, l, m) updated."""
+             qk_scale, cap_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+             MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Online softmax of one query block over the key blocks [lo, hi): (acc, l, m) updated. Base-2 logits:
+    ``q.k * qk_scale``, or with SOFTCAP ``cap_log2 * tanh`` of ``q.k * qk_scale`` (see :func:`_scales`)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         kv_ok = (offs_n < S)[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            s = cap_log2 * _tanh_exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
             ok = _allowed(offs_m[:, None], offs_n[None, :], starts_m[:, None], window, HAS_WINDOW)
             s = tl.where(ok, s, float("-inf"))
@@ -127,10 +144,11 @@ def _query_block(Q, K, V, STARTS, sq_b, sq_s, sq_h, sk_b, sk_h, sv_b, sv_h, S, H
 
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE, STARTS, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h,
-                     so_b, so_s, so_h, S, HQ, G, window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     so_b, so_s, so_h, S, HQ, G, window, qk_scale, cap_log2, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
+    cap_log2 = tl.cast(cap_log2, tl.float32)
     bh = tl.program_id(1)
     b, h, m_last, offs_m, offs_d, row_ok, io_ok, q, starts_m, lo, mid, diag, k_base, v_base = _query_block(
         Q, K, V, STARTS, sq_b, sq_s, sq_h, sk_b, sk_h, sv_b, sv_h, S, HQ, G, window, HEAD_DIM, BLOCK_D, BLOCK_M,
@@ -139,11 +157,12 @@ def _attn_fwd_kernel(Q, K, V, O, LSE, STARTS, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _fwd_run(acc, l_i, m_i, q, k_base, v_base, sk_s, sv_s, offs_m, starts_m, lo, mid, S, window,
-                             qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION)
+                             qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION, SOFTCAP)
     acc, l_i, m_i = _fwd_run(acc, l_i, m_i, q, k_base, v_base, sk_s, sv_s, offs_m, starts_m, mid, diag, S, window,
-                             qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, PRECISION)
+                             qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, PRECISION, SOFTCAP)
     acc, l_i, m_i = _fwd_run(acc, l_i, m_i, q, k_base, v_base, sk_s, sv_s, offs_m, starts_m, diag, m_last + 1, S,
-                             window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION)
+                             window, qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION,
+                             SOFTCAP)
     l_i = tl.where(row_ok, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], o.to(O.dtype.element_ty), mask=io_ok)
@@ -168,8 +187,8 @@ def _attn_delta_kernel(O, DO, DELTA, so_b, so_s, so_h, sd_b, sd_s, sd_h, S, HQ, 
 
 @triton.jit
 def _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row, sq_s, sd_s, offs_n, lo, hi, S,
-                window, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                window, qk_scale, cap_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """dK, dV of one key block from the query blocks [lo, hi) of one q head (transposed: keys are rows)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -180,7 +199,11 @@ def _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row,
         q = tl.load(q_base + offs_m[:, None] * sq_s + offs_d[None, :], mask=io_ok, other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
         # transposed, keys as rows: (BLOCK_N, BLOCK_M)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+        if SOFTCAP:
+            t_t = _tanh_exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale)
+            p_t = tl.math.exp2(cap_log2 * t_t - lse[None, :])
+        else:
+            p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
         if MASKED:
             starts_m = tl.load(STARTS_row + offs_m, mask=row_ok, other=0)
             ok = _allowed(offs_m[None, :], offs_n[:, None], starts_m[None, :], window, HAS_WINDOW) & row_ok[None, :]
@@ -189,6 +212,8 @@ def _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row,
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+        if SOFTCAP:  # through the cap: d(cap * tanh(x)) / dx = 1 - tanh(x)^2
+            ds_t = ds_t * (1.0 - t_t * t_t)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     return dk, dv
 
@@ -196,12 +221,13 @@ def _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row,
 @triton.jit
 def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, STARTS, ENDS, DK, DV, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h,
                         sv_b, sv_s, sv_h, sd_b, sd_s, sd_h, s_part, so_b, so_s, so_h, S, HQ, HKV, G, SPLIT,
-                        window, qk_scale, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                        window, qk_scale, cap_log2, sm_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """dK, dV of one key block of one kv head, from the G / SPLIT q heads of its group this program takes:
     into DK / DV (SPLIT 1), or into part ``part`` of fp32 partial sums (``s_part`` elements apart)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
+    cap_log2 = tl.cast(cap_log2, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1) // SPLIT
@@ -237,11 +263,14 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, STARTS, ENDS, DK, DV, sq_b, sq_
         lse_base = LSE + (b * HQ + h) * S
         delta_base = DELTA + (b * HQ + h) * S
         dk, dv = _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row, sq_s, sd_s, offs_n,
-                             q_lo, a, S, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_WINDOW, PRECISION)
+                             q_lo, a, S, window, qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_WINDOW,
+                             PRECISION, SOFTCAP)
         dk, dv = _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row, sq_s, sd_s, offs_n,
-                             a, c, S, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_WINDOW, PRECISION)
+                             a, c, S, window, qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_WINDOW,
+                             PRECISION, SOFTCAP)
         dk, dv = _bwd_kv_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, STARTS_row, sq_s, sd_s, offs_n,
-                             c, q_end, S, window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_WINDOW, PRECISION)
+                             c, q_end, S, window, qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_WINDOW,
+                             PRECISION, SOFTCAP)
     dk = dk * sm_scale
     out = part * s_part + b * so_b + hk * so_h + offs_n[:, None] * so_s + offs_d[None, :]
     tl.store(DK + out, dk.to(DK.dtype.element_ty), mask=kv_ok)
@@ -264,8 +293,8 @@ def _attn_sum_parts_kernel(DKP, DVP, DK, DV, n, SPLIT, BLOCK: tl.constexpr):
 
 @triton.jit
 def _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, starts_m, lo, hi, S, window,
-               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+               qk_scale, cap_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr):
     """dQ of one query block from the key blocks [lo, hi)."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -274,21 +303,29 @@ def _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs
         kv_ok = (offs_n < S)[:, None] & d_ok[None, :]
         k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_ok, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_ok, other=0.0)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+        if SOFTCAP:
+            t = _tanh_exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale)
+            p = tl.math.exp2(cap_log2 * t - lse[:, None])
+        else:
+            p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
         if MASKED:
             ok = _allowed(offs_m[:, None], offs_n[None, :], starts_m[:, None], window, HAS_WINDOW)
             p = tl.where(ok, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
+        if SOFTCAP:  # through the cap: d(cap * tanh(x)) / dx = 1 - tanh(x)^2
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     return dq
 
 
 @triton.jit
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, STARTS, DQ, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s,
-                       sv_h, sd_b, sd_s, sd_h, sdq_b, sdq_s, sdq_h, S, HQ, G, window, qk_scale, sm_scale,
+                       sv_h, sd_b, sd_s, sd_h, sdq_b, sdq_s, sdq_h, S, HQ, G, window, qk_scale, cap_log2, sm_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+                       SOFTCAP: tl.constexpr):
     qk_scale = tl.cast(qk_scale, tl.float32)  # a float under Inductor is fp64: keep the loops in fp32
+    cap_log2 = tl.cast(cap_log2, tl.float32)
     sm_scale = tl.cast(sm_scale, tl.float32)
     bh = tl.program_id(1)
     b, h, m_last, offs_m, offs_d, row_ok, io_ok, q, starts_m, lo, mid, diag, k_base, v_base = _query_block(
@@ -299,11 +336,11 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, STARTS, DQ, sq_b, sq_s, sq_h, sk
     delta = tl.load(DELTA + bh * S + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     dq = _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, sk_s, sv_s, offs_m, starts_m, lo, mid, S, window,
-                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION)
+                    qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION, SOFTCAP)
     dq = _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, sk_s, sv_s, offs_m, starts_m, mid, diag, S, window,
-                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, PRECISION)
+                    qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_WINDOW, PRECISION, SOFTCAP)
     dq = _bwd_q_run(dq, q, do, lse, delta, k_base, v_base, sk_s, sv_s, offs_m, starts_m, diag, m_last + 1, S,
-                    window, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION)
+                    window, qk_scale, cap_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_WINDOW, PRECISION, SOFTCAP)
     dq = dq * sm_scale
     tl.store(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :], dq.to(DQ.dtype.element_ty),
              mask=io_ok)
@@ -316,7 +353,11 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, STARTS, DQ, sq_b, sq_s, sq_h, sk
 CONFIGS = {
     64: {"fwd": (64, 64, 4, 3), "kv": (32, 64, 4, 3), "q": (64, 32, 4, 3)},
     128: {"fwd": (64, 64, 4, 3), "kv": (32, 64, 4, 3), "q": (64, 32, 4, 3)},
-    256: {"fwd": (64, 64, 8, 2), "kv": (32, 64, 8, 2), "q": (64, 32, 8, 2)},
+    # 256 (Gemma 2, soft-capped): a sweep of one kernel's tiles at a time on an H100 at Gemma-2-2B batch 4
+    # (benchmarks/results/experiments/attention-NVIDIA_H100_80GB_HBM3-2026-11-26-softcap-sweep.json): 1.21 ms
+    # against 1.60 with the earlier (64, 64, 8, 2) / (32, 64, 8, 2) / (64, 32, 8, 2); 64-key dK/dV tiles were
+    # 1.5-2.5x slower.
+    256: {"fwd": (64, 32, 4, 2), "kv": (32, 32, 4, 2), "q": (64, 16, 4, 2)},
 }
 _INTERPRET_CONFIG = {"fwd": (16, 16, 1, 1), "kv": (16, 32, 1, 1), "q": (32, 16, 1, 1)}
 #: The dK/dV kernel runs one program per (key block, batch, kv head); when that is fewer than this many, a
@@ -346,6 +387,15 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The kernels' (qk_scale, cap_log2): base-2 logits are ``q.k * qk_scale`` with ``qk_scale = scale * log2(e)``;
+    soft-capped (``softcap`` > 0), ``cap_log2 * tanh(scale * q.k / cap)`` with ``cap_log2 = cap * log2(e)`` and
+    ``qk_scale = 2 * scale * log2(e) / cap``, the exp2 argument of :func:`_tanh_exp2`."""
+    if softcap > 0.0:
+        return 2.0 * scale * _LOG2E / softcap, softcap * _LOG2E
+    return scale * _LOG2E, 0.0
+
+
 def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a (B, S, H, D) tensor with a unit last stride."""
     return t.stride(0), t.stride(1), t.stride(2)
@@ -353,8 +403,9 @@ def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
 
 @triton_op(f"{LIB}::doc_attention_fwd", mutates_args={})
 def _doc_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, window: int,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O (B, S, Hq, D) in q's dtype, LSE (B, Hq, S) fp32 in base 2) of q (B, S, Hq, D), k / v (B, S, Hkv, D)."""
+                       scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O (B, S, Hq, D) in q's dtype, LSE (B, Hq, S) fp32 in base 2) of q (B, S, Hq, D), k / v (B, S, Hkv, D);
+    ``softcap`` > 0 soft-caps the logits at it (0: not capped)."""
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     o = torch.empty((b, s, hq, d), dtype=q.dtype, device=q.device)
@@ -364,16 +415,16 @@ def _doc_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
     bm, bn, warps, stages = _config(d)["fwd"]
     wrap_triton(_attn_fwd_kernel)[(triton.cdiv(s, bm), b * hq)](
         q, k, v, o, lse, starts, *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(o), s, hq, hq // hkv, window,
-        scale * _LOG2E, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=bm, BLOCK_N=bn,
-        HAS_WINDOW=window > 0, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+        *_scales(scale, softcap), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=bm, BLOCK_N=bn,
+        HAS_WINDOW=window > 0, PRECISION=_precision(q), SOFTCAP=softcap > 0.0, num_warps=warps, num_stages=stages)
     return o, lse
 
 
 @triton_op(f"{LIB}::doc_attention_bwd", mutates_args={})
 def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                       lse: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, window: int, scale: float
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), fresh (B, S, H, D) tensors in the inputs' dtype."""
+                       lse: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, window: int, scale: float,
+                       softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), fresh (B, S, H, D) tensors in the inputs' dtype (``softcap`` as the forward's)."""
     do = unit_last(do)
     b, s, hq, d = q.shape
     hkv = k.shape[2]
@@ -382,7 +433,8 @@ def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     dv = torch.empty((b, s, hkv, d), dtype=v.dtype, device=v.device)
     if b * s * hq == 0:
         return dq, dk, dv
-    cfg, block_d, has_window = _config(d), triton.next_power_of_2(d), window > 0
+    cfg, block_d, has_window, capped = _config(d), triton.next_power_of_2(d), window > 0, softcap > 0.0
+    qk_scale, cap_log2 = _scales(scale, softcap)
     delta = torch.empty((b, hq, s), dtype=torch.float32, device=q.device)
     wrap_triton(_attn_delta_kernel)[(triton.cdiv(s, 64), b * hq)](
         o, do, delta, *_bhs(o), *_bhs(do), s, hq, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=64,
@@ -397,9 +449,9 @@ def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         dvp = torch.empty_like(dkp)
     wrap_triton(_attn_bwd_kv_kernel)[(triton.cdiv(s, bn), b * hkv * split)](
         q, k, v, do, lse, delta, starts, ends, dkp, dvp, *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(do),
-        b * s * hkv * d, *_bhs(dk), s, hq, hkv, hq // hkv, split, window, scale * _LOG2E, scale, HEAD_DIM=d,
-        BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_WINDOW=has_window, PRECISION=_precision(q), num_warps=warps,
-        num_stages=stages)
+        b * s * hkv * d, *_bhs(dk), s, hq, hkv, hq // hkv, split, window, qk_scale, cap_log2, scale, HEAD_DIM=d,
+        BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_WINDOW=has_window, PRECISION=_precision(q), SOFTCAP=capped,
+        num_warps=warps, num_stages=stages)
     if split > 1:
         n = dk.numel()
         wrap_triton(_attn_sum_parts_kernel)[(triton.cdiv(n, 1024),)](dkp, dvp, dk, dv, n, split, BLOCK=1024,
@@ -407,26 +459,27 @@ def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     bm, bn, warps, stages = cfg["q"]
     wrap_triton(_attn_bwd_q_kernel)[(triton.cdiv(s, bm), b * hq)](
         q, k, v, do, lse, delta, starts, dq, *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(do), *_bhs(dq), s, hq, hq // hkv,
-        window, scale * _LOG2E, scale, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
-        HAS_WINDOW=has_window, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+        window, qk_scale, cap_log2, scale, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
+        HAS_WINDOW=has_window, PRECISION=_precision(q), SOFTCAP=capped, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 
 class DocumentAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: ``forward(q, k, v, starts, ends, window, scale) -> o``; no gradient for the bounds."""
+    """Autograd wrapper: ``forward(q, k, v, starts, ends, window, scale, softcap=0.0) -> o`` (``softcap`` 0: no
+    soft-capping); no gradient for the bounds."""
 
     @staticmethod
-    def forward(ctx, q, k, v, starts, ends, window: int, scale: float):
-        o, lse = _doc_attention_fwd(q, k, v, starts, window, scale)
+    def forward(ctx, q, k, v, starts, ends, window: int, scale: float, softcap: float = 0.0):
+        o, lse = _doc_attention_fwd(q, k, v, starts, window, scale, softcap)
         ctx.save_for_backward(q, k, v, o, lse, starts, ends)
-        ctx.args = (window, scale)
+        ctx.args = (window, scale, softcap)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, starts, ends = ctx.saved_tensors
         dq, dk, dv = _doc_attention_bwd(do, q, k, v, o, lse, starts, ends, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -441,14 +494,18 @@ def allowed_pairs(starts: torch.Tensor, window: int | None) -> torch.Tensor:
 
 
 def document_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                                 window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                                 window: int | None = None, scale: float | None = None,
+                                 softcap: float | None = None) -> torch.Tensor:
     """Dense attention in the compute dtype (fp32, or fp64 for fp64 inputs): the test oracle and CPU path.
-    Shapes as :func:`document_attention`."""
+    Shapes and arguments as :func:`document_attention` (``softcap * tanh(scores / softcap)`` after the scale,
+    before the mask)."""
     dt = compute_dtype(q.dtype)
     g = q.shape[2] // k.shape[2]
     qt, kt, vt = (t.to(dt).transpose(1, 2) for t in (q, k, v))
     kt, vt = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
     scores = qt @ kt.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed_pairs(starts, window), float("-inf"))
     return (scores.softmax(-1) @ vt).transpose(1, 2).to(q.dtype)
 
@@ -470,7 +527,8 @@ def document_bounds(document_ids: torch.Tensor | None, batch: int, seq_len: int,
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
-                       ends: torch.Tensor, window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                       ends: torch.Tensor, window: int | None = None, scale: float | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
     """Causal grouped-query attention within each token's document (and window), differentiable in q, k, v.
 
     Args:
@@ -479,6 +537,11 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
         starts, ends: (B, S) int32 from :func:`document_bounds`.
         window: a key at most ``window - 1`` positions before its query (HF's convention), or None.
         scale: softmax scale, default D ** -0.5.
+        softcap: attention-logit soft-capping (Gemma 2's ``attn_logit_softcapping``), a float > 0, or None: the
+            logits are ``softcap * tanh(scale * q.k / softcap)`` (elementwise over the (B, Hq, S, S) scores,
+            before the mask and the softmax), which bounds them to (-softcap, softcap) so that no logit grows
+            without limit in training; the gradients go through the tanh. Computed inside the kernels (no
+            (S, S) scores in memory, as without it).
     Returns:
         (B, S, Hq, D) contiguous, in q's dtype.
     """
@@ -491,13 +554,17 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
     if starts.shape != q.shape[:2] or ends.shape != q.shape[:2] or starts.dtype != torch.int32:
         raise ValueError(f"document_attention: starts / ends must be int32 (B, S) = {tuple(q.shape[:2])}, got "
                          f"{tuple(starts.shape)} {starts.dtype}, {tuple(ends.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"document_attention: softcap must be a float > 0 or None, got {softcap!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    softcap = None if softcap is None else float(softcap)
     if window is not None and window >= q.shape[1]:
         window = None
     if not use_triton(q):
-        return document_attention_reference(q, k, v, starts, window, scale)
+        return document_attention_reference(q, k, v, starts, window, scale, softcap)
     q, k, v = (unit_last(t) for t in (q, k, v))
-    return DocumentAttentionFunction.apply(q, k, v, starts, ends, 0 if window is None else int(window), scale)
+    return DocumentAttentionFunction.apply(q, k, v, starts, ends, 0 if window is None else int(window), scale,
+                                           0.0 if softcap is None else softcap)
 
 
 def document_attention_flops(starts: torch.Tensor, window: int | None, q_heads: int, head_dim: int) -> tuple[int, int]:

@@ -26,10 +26,16 @@ document masking, through PyTorch's fused attention kernels and this package's o
 A query at position q sees a key at position k when ``k <= q``, ``q - k < window`` and both lie in
 the same document (HF's sliding-window convention: the window counts the query itself).
 
-Attention logit soft-capping (Gemma 2), ``scores = cap * tanh(scale * q.k / cap)`` before the mask and
-the softmax, is something SDPA cannot express: on CUDA (longer than one block, no dropout) it is
-FlexAttention's ``score_mod`` on the same block mask (plain causal attention then gets a causal block
-mask); elsewhere an exact dense computation with HF's arithmetic (``softcap_attention``).
+Attention logit soft-capping (Gemma 2), ``scores = cap * tanh(scale * q.k / cap)`` before the mask and the
+softmax, is something SDPA cannot express. On CUDA in bf16/fp16 at head dims 64, 128 and 256 (Gemma 2's;
+:data:`TRITON_SOFTCAP_HEAD_DIMS`, no dropout) it is this package's kernel, :func:`kernels.document_attention`
+with ``softcap``, plain causal attention included (one document per row: starts 0, ends S); at 256 it ran 1.5x
+faster than FlexAttention on an H100. At other head dims, and in fp32, on CUDA (longer than one block, no
+dropout) it is FlexAttention's ``score_mod`` on the same block mask (plain causal attention then gets a causal
+block mask); elsewhere an exact dense computation with HF's arithmetic (``softcap_attention``).
+``LIGERMODELS_SOFTCAP_ATTENTION=triton`` (or ``flex``) sends CUDA bf16/fp16 soft-capped attention without
+dropout to the kernel at any head dim from 16 to 256 (or always to FlexAttention), for comparisons
+(``benchmarks/bench_attention.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kernels.attention import CONFIGS as _TRITON_CONFIGS
 from kernels.attention import document_attention, document_bounds
 
 
@@ -325,6 +332,36 @@ def triton_documents_takes(device: torch.device, dtype: torch.dtype, head_dim: i
             and head_dim in TRITON_HEAD_DIMS and dropout_p == 0.0)
 
 
+def _softcap_setting(value: str) -> str:
+    if value not in ("auto", "triton", "flex"):
+        raise ValueError(f"LIGERMODELS_SOFTCAP_ATTENTION={value!r}: choose 'auto', 'triton' or 'flex'")
+    return value
+
+
+#: Where soft-capped attention (Gemma 2) runs on CUDA: "auto" (this package's kernel at the head dims of
+#: :data:`TRITON_SOFTCAP_HEAD_DIMS`, else FlexAttention), "triton" (the kernel at every head dim it has tiles for,
+#: 16 to 256) or "flex" (always FlexAttention); the kernel only in bf16 / fp16 without dropout. Env
+#: LIGERMODELS_SOFTCAP_ATTENTION.
+SOFTCAP_ATTENTION = _softcap_setting(os.environ.get("LIGERMODELS_SOFTCAP_ATTENTION", "auto"))
+#: Head dims where soft-capped attention goes to the Triton kernel by default. At 256 (Gemma 2) it measured
+#: 1.21 ms a layer forward + backward against FlexAttention's 1.87 (H100, Gemma-2-2B batch 4 x 2048 within
+#: documents, benchmarks/results/experiments/attention-NVIDIA_H100_80GB_HBM3-2026-11-26-softcap-*.json);
+#: at 64 and 128 the kernel is the masked-attention default already.
+TRITON_SOFTCAP_HEAD_DIMS = (*TRITON_HEAD_DIMS, 256)
+
+
+def triton_softcap_takes(device: torch.device, dtype: torch.dtype, head_dim: int, dropout_p: float) -> bool:
+    """Whether soft-capped attention of this kind runs through :func:`kernels.document_attention` (per
+    :data:`SOFTCAP_ATTENTION`): CUDA, bf16 / fp16, no dropout, and a head dim of :data:`TRITON_SOFTCAP_HEAD_DIMS`
+    ("auto") or from 16 to 256 ("triton")."""
+    if SOFTCAP_ATTENTION == "flex" or not (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+                                           and dropout_p == 0.0):
+        return False
+    if SOFTCAP_ATTENTION == "auto":
+        return head_dim in TRITON_SOFTCAP_HEAD_DIMS
+    return 16 <= head_dim <= max(_TRITON_CONFIGS)
+
+
 def flash_varlen_takes(device: torch.device, dtype: torch.dtype, head_dim: int, dropout_p: float) -> bool:
     """Whether FlashAttention-2's variable-length kernel takes queries of this kind: CUDA (compute capability
     8+), bf16 / fp16, head_dim a multiple of 8 up to 256, no dropout."""
@@ -403,7 +440,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: At
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if mask is None and (softcap is not None or window is not None and window < q.shape[1]):
         mask = AttentionMask(q.shape[1])  # a window shorter than the sequence needs a mask, document or not
-    if softcap is not None:  # SDPA has no soft-capping: FlexAttention's score_mod, or the dense computation
+    if softcap is not None:  # SDPA has no soft-capping: our kernel, FlexAttention's score_mod, or the dense computation
+        if triton_softcap_takes(q.device, q.dtype, q.shape[-1], dropout_p):  # documents or not (bounds of whole rows)
+            return document_attention(q, k, v, *mask.bounds(q.shape[0], q.device), window=window, scale=scale,
+                                      softcap=softcap)
         if q.is_cuda and dropout_p == 0.0 and q.shape[1] > FLEX_MIN_SEQ:
             o = _flex_attention(qt, kt, vt, mask.block_mask(window, q.shape[0], q.device), scale, gqa, softcap)
         else:

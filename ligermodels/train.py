@@ -459,6 +459,7 @@ if hasattr(torch.ops, "higher_order") and hasattr(torch.ops.higher_order, "flex_
 # already holds the rotated values: "saving" the in-place op means not running it a second time.
 _SAVED_OPS.add(torch.ops.ligermodels.rope_qkv_.default)
 _SAVED_OPS.add(torch.ops.ligermodels.qk_norm_rope_qkv_.default)  # the same in place, with q/k head norms (Qwen3)
+_SAVED_OPS.add(torch.ops.ligermodels.doc_attention_fwd.default)  # our attention (documents, windows, soft-capping)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

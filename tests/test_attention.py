@@ -180,6 +180,60 @@ def test_softcapped_attention_matches_float64_forward_and_gradients(case, dtype)
     assert rel_err(out, reference(q64, k64, v64, window, doc, scale=0.3)) > 10 * bound, "soft-capping had no effect"
 
 
+@pytest.mark.parametrize("docs,window", [(False, None), (True, 7)], ids=["causal", "documents_window"])
+def test_softcapped_attention_goes_to_the_triton_kernel_where_it_takes_it(monkeypatch, docs, window):
+    """Where :func:`triton_softcap_takes` holds (forced here: on CUDA, bf16 at head dims 64 / 128 / 256), soft-capped
+    attention runs kernels.document_attention, plain causal attention (bounds of whole rows) included, and matches
+    float64 (the interpreter on the CPU)."""
+    monkeypatch.setattr(attention, "triton_softcap_takes", lambda *args: True)
+    b, s, hq, hkv, d = 2, 29, 4, 2, 16
+    qkv = randn(b, s, (hq + 2 * hkv) * d, scale=2.0, seed=5).requires_grad_()
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    doc = _documents(b, s) if docs else None
+    out = causal_attention(q, k, v, mask=AttentionMask(s, doc) if docs else None, window=window, scale=0.3,
+                           softcap=2.5)
+    assert type(out.grad_fn).__name__ == "DocumentAttentionFunctionBackward"
+    grad = randn(*out.shape, seed=6)
+    (out * grad).sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, window, doc, softcap=2.5, scale=0.3)
+    (ref * grad.double()).sum().backward()
+    ref_grad = torch.cat([t.grad.flatten(-2) for t in (q64, k64, v64)], dim=-1)
+    assert_rel(out, ref, torch.float32, "triton softcapped output", 1e-5)
+    assert_rel(qkv.grad, ref_grad, torch.float32, "triton softcapped d(qkv)", 1e-5)
+
+
+def test_softcap_setting_picks_the_kernel_by_head_dim_and_names_a_bad_value(monkeypatch):
+    """"auto": the kernel at TRITON_SOFTCAP_HEAD_DIMS (64, 128 and Gemma 2's 256) on CUDA in bf16 / fp16 without
+    dropout, else FlexAttention; "triton": the kernel at head dims 16 to 256; "flex": never the kernel."""
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    expected = {"auto": {64: True, 128: True, 256: True, 96: False, 8: False},
+                "triton": {64: True, 128: True, 256: True, 96: True, 8: False}, "flex": {64: False, 256: False}}
+    for setting, by_dim in expected.items():
+        monkeypatch.setattr(attention, "SOFTCAP_ATTENTION", setting)
+        for d, takes in by_dim.items():
+            assert attention.triton_softcap_takes(cuda, bf16, d, 0.0) == takes, (setting, d)
+        for device, dtype, p in ((torch.device("cpu"), bf16, 0.0), (cuda, torch.float32, 0.0), (cuda, bf16, 0.1)):
+            assert not attention.triton_softcap_takes(device, dtype, 64, p), (setting, device, dtype, p)
+    assert attention._softcap_setting("triton") == "triton"
+    with pytest.raises(ValueError, match=r"LIGERMODELS_SOFTCAP_ATTENTION='tritonn'.*'auto', 'triton' or 'flex'"):
+        attention._softcap_setting("tritonn")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the routing is CUDA's")
+@pytest.mark.parametrize("d,kernel", [(64, True), (128, True), (256, False)])
+def test_bf16_softcapped_attention_runs_the_triton_kernel_at_its_head_dims(d, kernel):
+    """On CUDA in bf16, soft-capped attention (documents, a window, or neither) runs kernels.document_attention at
+    head dims 64 and 128, and FlexAttention at 256 (Gemma 2's, not measured against it yet)."""
+    qkv = randn(2, 256, 12 * d, dtype=torch.bfloat16).requires_grad_()
+    q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([8 * d, 2 * d, 2 * d], dim=-1))
+    for mask, window in ((AttentionMask(256, Documents.from_ids(_documents(2, 256))), None), (None, 100),
+                         (None, None)):
+        out = causal_attention(q, k, v, mask=mask, window=window, softcap=50.0)
+        ran = type(out.grad_fn).__name__ == "DocumentAttentionFunctionBackward"
+        assert ran == kernel, f"head dim {d}, window {window}: {type(out.grad_fn).__name__}"
+
+
 def test_cached_attention_softcap_matches_reference():
     """The decode path (new queries over a cache buffer with a bool mask) soft-caps as the training path."""
     from ligermodels.generation import cached_attention

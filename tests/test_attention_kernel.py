@@ -1,14 +1,15 @@
 """kernels.document_attention: forward and the q / k / v gradients against float64 dense attention, on odd
 shapes with packed documents (one-token documents, documents cut by row ends), grouped-query heads, windows,
-head dims that are not powers of two, tiles of different sizes, strided views of one packed projection; the
-bounds helper; and errors that name the bad argument."""
+head dims that are not powers of two, tiles of different sizes, strided views of one packed projection;
+Gemma 2's attention-logit soft-capping (where the cap bites, and at Gemma's cap of 50 where it mostly does not);
+the bounds helper; and errors that name the bad argument."""
 
 import pytest
 import torch
 
 import kernels.attention as attn_mod
 from kernels.attention import allowed_pairs, document_attention, document_attention_reference, document_bounds
-from tests.utils import DEVICE, assert_rel, assert_triton_runs, randn
+from tests.utils import BOUNDS, DEVICE, assert_rel, assert_triton_runs, randn, rel_err
 
 
 def _ids(batch: int, seq: int, seed: int, max_doc: int = 20) -> torch.Tensor:
@@ -24,31 +25,42 @@ def _ids(batch: int, seq: int, seed: int, max_doc: int = 20) -> torch.Tensor:
     return ids.to(DEVICE)
 
 
-def _qkv(batch, seq, hq, hkv, d, dtype, seed):
-    """q, k, v: strided views of one packed (B, S, (Hq + 2*Hkv) * D) leaf, as the decoder layer passes them."""
-    qkv = randn(batch, seq, (hq + 2 * hkv) * d, dtype=dtype, seed=seed).requires_grad_()
+def _qkv(batch, seq, hq, hkv, d, dtype, seed, spread=1.0):
+    """q, k, v: strided views of one packed (B, S, (Hq + 2*Hkv) * D) leaf, as the decoder layer passes them
+    (normal, standard deviation ``spread``)."""
+    qkv = randn(batch, seq, (hq + 2 * hkv) * d, dtype=dtype, scale=spread, seed=seed).requires_grad_()
     heads = qkv.view(batch, seq, hq + 2 * hkv, d)
     return qkv, heads[:, :, :hq], heads[:, :, hq:hq + hkv], heads[:, :, hq + hkv:]
 
 
-def _check(batch, seq, hq, hkv, d, dtype, window, ids, seed=0):
-    qkv, q, k, v = _qkv(batch, seq, hq, hkv, d, dtype, seed)
+def _check(batch, seq, hq, hkv, d, dtype, window, ids, seed=0, softcap=None, spread=1.0, cap_bites=False):
+    """Output and dq / dk / dv against float64 (``softcap``: soft-capped attention, inputs of std ``spread``).
+    ``cap_bites``: also require the uncapped float64 attention to miss the output and every gradient by more than
+    10 x the bound, so that a kernel ignoring the cap (forward or backward) could not pass."""
+    qkv, q, k, v = _qkv(batch, seq, hq, hkv, d, dtype, seed, spread)
     starts, ends = document_bounds(ids, batch, seq, DEVICE)
     grad = randn(batch, seq, hq, d, dtype=dtype, seed=seed + 1)
     scale = 0.7 * d ** -0.5
-    out = document_attention(q, k, v, starts, ends, window, scale)
+    out = document_attention(q, k, v, starts, ends, window, scale, softcap=softcap)
     out.backward(grad)
     assert_triton_runs(out)
 
-    ref_leaf = qkv.detach().double().requires_grad_()
-    h = ref_leaf.view(batch, seq, hq + 2 * hkv, d)
-    ref = document_attention_reference(h[:, :, :hq], h[:, :, hq:hq + hkv], h[:, :, hq + hkv:], starts, window, scale)
-    ref.backward(grad.double())
-    what = f"B{batch} S{seq} Hq{hq} Hkv{hkv} D{d} window {window}"
-    assert_rel(out, ref, dtype, f"{what}: output")
     hd = (hq + 2 * hkv) * d
-    for name, lo, hi in (("dq", 0, hq * d), ("dk", hq * d, (hq + hkv) * d), ("dv", (hq + hkv) * d, hd)):
-        assert_rel(qkv.grad[..., lo:hi], ref_leaf.grad[..., lo:hi], dtype, f"{what}: {name}")
+    grads = (("dq", 0, hq * d), ("dk", hq * d, (hq + hkv) * d), ("dv", (hq + hkv) * d, hd))
+    what = f"B{batch} S{seq} Hq{hq} Hkv{hkv} D{d} window {window} softcap {softcap}"
+    for cap in (softcap, None) if cap_bites else (softcap,):
+        ref_leaf = qkv.detach().double().requires_grad_()
+        h = ref_leaf.view(batch, seq, hq + 2 * hkv, d)
+        ref = document_attention_reference(h[:, :, :hq], h[:, :, hq:hq + hkv], h[:, :, hq + hkv:], starts, window,
+                                           scale, softcap=cap)
+        ref.backward(grad.double())
+        pairs = [("output", out, ref)] + [(n, qkv.grad[..., lo:hi], ref_leaf.grad[..., lo:hi]) for n, lo, hi in grads]
+        for name, got, want in pairs:
+            if cap == softcap:
+                assert_rel(got, want, dtype, f"{what}: {name}")
+            else:  # a kernel that ignored the cap would be this far off
+                err = rel_err(got, want)
+                assert err > 10 * BOUNDS[dtype], f"{what}: {name} is within {err:.1e} of uncapped attention"
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (3, 1, 24), (2, 2, 32)])
@@ -68,6 +80,34 @@ def test_whole_rows_and_a_window_without_documents_match_float64():
 
 def test_bf16_attention_within_documents_is_within_the_bf16_bound():
     _check(2, 50, 4, 2, 32, torch.bfloat16, None, _ids(2, 50, seed=3))
+
+
+#: The interpreter's exp2 (numpy) warns where 2^x overflows to inf: the tanh of a large logit saturating to 1.
+_EXP2_OVERFLOW = pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+
+
+@_EXP2_OVERFLOW
+@pytest.mark.parametrize("batch,seq,hq,hkv,d,window,docs", [(2, 61, 4, 2, 16, None, True),
+                                                            (2, 57, 3, 1, 24, 9, True),
+                                                            (1, 45, 2, 1, 32, 13, False)])
+def test_softcapped_attention_matches_float64_where_the_cap_bites(batch, seq, hq, hkv, d, window, docs):
+    """Logits of a few times the cap (inputs of std 2: scale * q.k has std about 2.8 against a cap of 2): a mix of
+    the tanh's linear and saturated ranges; GQA, packed documents, a window shorter than the sequence."""
+    ids = _ids(batch, seq, seed=seq, max_doc=40) if docs else None
+    _check(batch, seq, hq, hkv, d, torch.float32, window, ids, seed=seq, softcap=2.0, spread=2.0, cap_bites=True)
+
+
+@_EXP2_OVERFLOW
+def test_softcapped_attention_at_gemmas_cap_matches_float64():
+    """Gemma 2's cap of 50 on logits mostly below it: the tanh near its linear range, where a tanh from exp2
+    loses relative precision, still within the fp32 bound."""
+    _check(2, 53, 4, 2, 16, torch.float32, 20, _ids(2, 53, seed=5), seed=3, softcap=50.0, spread=2.0)
+
+
+@_EXP2_OVERFLOW
+def test_bf16_softcapped_attention_is_within_the_bf16_bound():
+    _check(2, 50, 4, 2, 32, torch.bfloat16, 17, _ids(2, 50, seed=4), seed=4, softcap=2.0, spread=2.0,
+           cap_bites=True)
 
 
 @pytest.mark.parametrize("cfg", [{"fwd": (32, 16, 1, 1), "kv": (32, 16, 1, 1), "q": (16, 32, 1, 1)},
@@ -110,6 +150,8 @@ def test_bad_arguments_are_named():
         document_attention(q, q, q, starts.long(), ends)
     with pytest.raises(ValueError, match=r"q \(B, S, Hq, D\)"):
         document_attention(q, q[:, :4], q, starts, ends)
+    with pytest.raises(ValueError, match="softcap must be a float > 0"):
+        document_attention(q, q, q, starts, ends, softcap=0.0)
 
 
 def test_document_attention_custom_ops_pass_opcheck():
@@ -124,6 +166,11 @@ def test_document_attention_custom_ops_pass_opcheck():
     o, lse = torch.ops.ligermodels.doc_attention_fwd(q, k, v, starts, 0, 0.25)
     torch.library.opcheck(torch.ops.ligermodels.doc_attention_bwd.default,
                           (torch.randn_like(o), q, k, v, o, lse, starts, ends, 7, 0.25), test_utils=checks)
+    torch.library.opcheck(torch.ops.ligermodels.doc_attention_fwd.default, (q, k, v, starts, 0, 0.25, 3.0),
+                          test_utils=checks)
+    o, lse = torch.ops.ligermodels.doc_attention_fwd(q, k, v, starts, 0, 0.25, 3.0)
+    torch.library.opcheck(torch.ops.ligermodels.doc_attention_bwd.default,
+                          (torch.randn_like(o), q, k, v, o, lse, starts, ends, 7, 0.25, 3.0), test_utils=checks)
 
 
 def test_document_attention_compiles_without_a_graph_break():

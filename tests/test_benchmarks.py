@@ -1,7 +1,8 @@
 """The benchmark definitions that can be checked without a GPU: the end-to-end model shapes (benchmarks/bench_e2e.py
 MODELS) describe the same model to ligermodels and to transformers, the flop count, the transformers attention
-each family needs, the eager baselines of the rope-variant kernel cases compute what our ops compute, and the
-README's tables read the newest results file by its recorded date and show the transformers attention used."""
+each family needs, the eager baselines of the rope-variant kernel cases compute what our ops compute, the attention
+benchmark's rows at a soft-capped shape, and the README's tables read the newest results file by its recorded date
+and show the transformers attention used."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import bench_e2e, report
+from benchmarks import bench_attention, bench_e2e, report
 from benchmarks import kernels_rope_variants as rv
 from ligermodels.families import config_from_hf, family_of
 
@@ -122,14 +123,33 @@ def test_rope_variant_baselines_compute_what_our_op_computes(case):
 
 def test_rope_variant_bytes_follow_the_stated_count():
     """The bytes the harness divides by: Qwen3-1.7B q/k norm + RoPE at 4 x 2048 tokens in bf16 (24 q/k heads of
-    128: read + write forward, 3x backward, plus cos and sin), and the partial in-place rotation (96 channels)."""
+    128: read + write forward, 3x backward, plus cos and sin), and the partial in-place rotation (96 channels,
+    both passes: the backward rotates the incoming gradient in place too)."""
     t, qk = 4 * 2048, 4 * 2048 * 24 * 128 * 2
     tables = 2 * t * 128 * 2
     assert rv.CASES[0].nbytes(t, 2) == (3 * qk + tables, 3 * qk + tables)
     partial = next(c for c in rv.CASES if c.op == "rope_partial_inplace")
     qk = t * (24 + 8) * 2
-    assert partial.nbytes(t, 2) == (2 * qk * 96 + 2 * t * 96 * 2, 2 * qk * 128 + 2 * t * 96 * 2)
+    assert partial.nbytes(t, 2) == (2 * qk * 96 + 2 * t * 96 * 2, 2 * qk * 96 + 2 * t * 96 * 2)
     assert partial.shape(4, 2048) == "4x2048x24/8x128-r96"
+
+
+# ------------------------------------------------------------------------------------ attention rows
+def test_softcapped_attention_shape_times_our_kernel_with_its_tiles_against_flexattention():
+    """gemma2-2b:4 (soft-capping, head dim 256) runs kernels.document_attention with the cap (whole rows, within
+    documents, and each --triton-configs tile set) beside FlexAttention; no SDPA row, which cannot soft-cap."""
+    _, hq, hkv, d, softcap = bench_attention.SHAPES["gemma2-2b:4"]
+    assert (hq, hkv, d, softcap) == (8, 4, 256, 50.0)
+    tiles = {"fwd": [32, 32, 4, 2], "kv": [32, 32, 4, 2], "q": [32, 32, 4, 2]}
+    rows = {impl: rest for impl, *rest in bench_attention.implementations(softcap, [tiles], [{"bwd_num_warps": 8}])}
+    assert rows["triton-documents"] == ["triton", None, "within_documents", True]
+    assert rows["triton-causal"] == ["triton", None, "whole_rows", False]
+    assert rows[f"triton-documents {json.dumps(tiles, separators=(',', ':'))}"] == ["triton", tiles,
+                                                                                     "within_documents", True]
+    assert rows["flex-documents"][0] == rows["flex-causal"][0] == "flex"
+    assert not any(impl.startswith(("cudnn", "flash")) for impl in rows)
+    plain = [impl for impl, *_ in bench_attention.implementations(None)]
+    assert plain[:2] == ["cudnn-causal", "triton-documents"] and "triton-causal" not in plain
 
 
 # --------------------------------------------------------------------------------------- report

@@ -781,6 +781,19 @@ def test_activation_checkpointing_keeps_gradients(checkpoint, mode):
         assert _rel(got[k], ref[k]) <= 1e-6, k
 
 
+@pytest.mark.parametrize("op", ["doc_attention_fwd", "rope_qkv_", "qk_norm_rope_qkv_"])
+def test_selective_checkpointing_keeps_our_attention_and_rotary_outputs(op):
+    """Selective checkpointing saves what this package's own attention kernel returns (its output and
+    log-sum-exp: recomputing it costs a third of attention's flops) and does not run the in-place rotary ops
+    again; the norms and activations around them are recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from ligermodels.train import _selective_policy
+
+    assert _selective_policy(None, getattr(torch.ops.ligermodels, op).default) == CheckpointPolicy.MUST_SAVE
+    assert _selective_policy(None, torch.ops.ligermodels.rms_norm_fwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
 # --------------------------------------------------------------------------- review fixes (session 8)
 def test_overwrite_with_a_bad_input_leaves_the_previous_run_in_place(capsys, tmp_path, checkpoint, data, run_two):
     out = tmp_path / "two"
