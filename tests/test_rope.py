@@ -356,6 +356,7 @@ NORM_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim)
     (2, 5, 6, 2, 24, 24),
     (1, 6, 5, 1, 40, 30),
     (3, 3, 20, 4, 64, 64),  # more q heads than one tile holds
+    (2, 7, 4, 2, 32, 32),  # power-of-two heads: the persistent backward's unmasked form, 1-2 tokens a program
 ]
 
 
@@ -363,9 +364,12 @@ NORM_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim)
 @pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)], ids=["qwen3", "gemma3"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_qk_norm_rope_qkv_inplace_matches_float64(case, casting, offset, interleaved, dtype):
+@pytest.mark.parametrize("reuse", [False, True], ids=["new_grad", "reuse_grad"])
+def test_qk_norm_rope_qkv_inplace_matches_float64(case, casting, offset, interleaved, dtype, reuse):
     """The fused in-place q/k head RMSNorm + RoPE on a packed qkv: values, the qkv gradient and both weight
-    gradients against float64 (norm then transformers' rotation); v and its gradient pass unchanged."""
+    gradients against float64 (norm then transformers' rotation); v and its gradient pass unchanged. With
+    ``reuse_grad`` the backward writes over the incoming gradient (whole-head rotate-half rotary at a
+    power-of-two head dim: the persistent kernel)."""
     B, S, hq, hkv, d, rd = case
     heads = hq + 2 * hkv
     seed = zlib.crc32(repr(("qknorm", case, casting, interleaved, dtype)).encode()) % 10_000
@@ -379,9 +383,9 @@ def test_qk_norm_rope_qkv_inplace_matches_float64(case, casting, offset, interle
     before = snapshot(g, wq, wk)
     buf = x * 1
     ptr = buf.data_ptr()
-    out = apply_qk_norm_rope_qkv_(buf, cos, sin, hq, hkv, wq, wk, eps, offset, casting, interleaved)
+    out = apply_qk_norm_rope_qkv_(buf, cos, sin, hq, hkv, wq, wk, eps, offset, casting, interleaved, reuse_grad=reuse)
     assert out is buf and out.data_ptr() == ptr, "not in place"
-    dx, dwq, dwk = torch.autograd.grad(out, (x, wq, wk), g)
+    dx, dwq, dwk = torch.autograd.grad(out, (x, wq, wk), g.clone() if reuse else g)
     assert_unchanged(before, g, wq, wk)
     assert dwq.dtype == dtype and dwk.dtype == dtype
 
@@ -448,8 +452,8 @@ REUSE_CASES = [  # (op, (batch, seq, q_heads, kv_heads, head_dim, rotary_dim), i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reuse_grad_writes_the_same_gradient_over_the_incoming_one(op, case, interleaved, dtype):
     """``reuse_grad=True`` (what the attention block passes): the packed ops' backward gives the same qkv and
-    weight gradients, bit for bit, as with a new buffer, and writes the qkv gradient over the incoming one
-    (its v heads and pass-through channels already are that); without it the incoming gradient is untouched."""
+    weight gradients as with a new buffer, and writes the qkv gradient over the incoming one (its v heads and
+    pass-through channels already are that); without it the incoming gradient is untouched."""
     B, S, hq, hkv, d, rd = case
     heads = hq + 2 * hkv
     seed = zlib.crc32(repr(("reuse", op, case, interleaved, dtype)).encode()) % 10_000
@@ -470,9 +474,12 @@ def test_reuse_grad_writes_the_same_gradient_over_the_incoming_one(op, case, int
     ref = grads(False, kept)
     assert torch.equal(kept, g), "reuse_grad=False changed the incoming gradient"
     ours = grads(True, kept)
-    for a, b in zip(ours, ref, strict=True):
-        assert torch.equal(a, b)
-    assert torch.equal(kept, ref[0]), "reuse_grad=True did not write qkv's gradient over the incoming one"
+    # The same arithmetic per element (bit for bit here; on a GPU another kernel may contract a multiply-add
+    # differently); the weight gradients are summed in another order (the persistent kernel's programs).
+    assert torch.equal(ours[0], ref[0]) if DEVICE.type == "cpu" else rel_err(ours[0], ref[0]) <= 1e-2
+    for a, b in zip(ours[1:], ref[1:], strict=True):
+        assert rel_err(a, b) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(kept, ours[0]), "reuse_grad=True did not write qkv's gradient over the incoming one"
     assert not torch.equal(kept, g)
 
 
