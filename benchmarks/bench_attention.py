@@ -18,9 +18,9 @@ views of one packed projection buffer as the decoder layer passes them:
 * ``flex-documents <options>``: the same with FlexAttention ``kernel_options`` (``--flex-options``), to
   tune the backward at head_dim 256;
 * ``softcap`` shapes (Gemma 2): attention-logit soft-capping. ``flex-causal`` / ``flex-documents``:
-  FlexAttention's ``score_mod`` over whole rows / within documents (the default at head dim 256); ``triton-causal``
-  / ``triton-documents`` (and ``triton-documents <tiles>``): this package's kernel with ``softcap``
-  (``LIGERMODELS_SOFTCAP_ATTENTION=triton``, the default at head dims 64 and 128).
+  FlexAttention's ``score_mod`` over whole rows / within documents (``LIGERMODELS_SOFTCAP_ATTENTION=flex``);
+  ``triton-causal`` / ``triton-documents`` (and ``triton-documents <tiles>``): this package's kernel with
+  ``softcap`` (the default at head dims 64, 128 and 256).
 
 Each row: kernel time of forward + backward (``benchmarks.harness.kernel_ms``: device time, L2 flushed),
 the useful flops (4 * D * Hq per allowed (query, key) pair forward, 2.5 x that backward) and their rate,

@@ -44,7 +44,9 @@ would divide by w). Backward, per head, with ``g`` the un-rotated output gradien
 
 each program (8 tokens, ``_NORM_BWD_TOKENS``) writes its fp32 (D,) partial dw (summed over its tokens
 and heads), summed over the programs after; the v heads are copied in the same launch, or with
-``reuse_grad`` dx is written over dy (the v heads' gradient already in place).
+``reuse_grad`` dx is written over dy (the v heads' gradient already in place). In place with whole-head
+rotate-half rotary at a power-of-two head dim (Qwen3, Gemma 3) a persistent kernel does the same
+(:func:`_norm_rope_qkv_bwd_persistent`, one partial row per program).
 
 One program handles one token: it loads that token's cos / sin once, then rotates all q heads and
 then all kv heads, in tiles of up to ``_TILE`` elements (whole-head and interleaved rotary: pair
@@ -63,6 +65,8 @@ q / k heads (xs) in the forward and one read of them in the backward, 3*T*(Hq + 
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -87,6 +91,7 @@ _NORM_BWD_TOKENS = 8
 _NORM_BWD_PROGRAMS_PER_SM = 3
 
 
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     """Multiprocessors of ``device`` (3 under the interpreter: a few programs, each taking several tokens)."""
     if device.type != "cuda":
@@ -129,8 +134,8 @@ def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, n_rest, c1, 
     (Phi-4-mini: 48 channels each in a 64-wide, 25%-masked tile, the second starting mid-row), plus the
     D - R rest channels in a third load: misaligned, partly masked accesses that ran at only 59-77% of
     copy bandwidth on an H100 (whole-head rotary, R = D = 128, runs at ~95% here). The row path loads
-    each head's row as one contiguous tile instead: 84-90% out of place on the same H100 (in place,
-    backward 69-74% not counting its copy of the v heads; kernels-NVIDIA_H100_80GB_HBM3-2026-11-26.json)."""
+    each head's row as one contiguous tile instead: 84-90% out of place on the same H100 (in place 74-81%,
+    both passes; kernels-NVIDIA_H100_80GB_HBM3-2026-11-26.json)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
@@ -461,14 +466,15 @@ def _head_group_tiles(dy_tok, xs_tok, rs_tok, cos_ptr, sin_ptr, co, so, ok, NH: 
     t = tl.arange(0, 1)[:, None, None]
     h = tl.arange(0, BH)[None, :, None]
     d = tl.arange(0, HALF)[None, None, :]
-    m = (t < tl.where(ok, 1, 0)) & (h < NH) & (d < HALF)
+    live = (t < tl.where(ok, 1, 0)) & (h < NH)  # (1, BH, 1): this token, and a real head
+    m = live & (d < HALF)
     dy_row = dy_tok + t * DY_TOK + h * (2 * HALF) + d
     xs_row = xs_tok + t * XS_TOK + h * (2 * HALF) + d
     zh = h * 0
     if MASKED:
         tiles = (tl.load(dy_row, mask=m, other=0.0), tl.load(dy_row + HALF, mask=m, other=0.0),
                  tl.load(xs_row, mask=m, other=0.0), tl.load(xs_row + HALF, mask=m, other=0.0),
-                 tl.load(rs_tok + t * RS_TOK + h, mask=(t < tl.where(ok, 1, 0)) & (h < NH), other=0.0),
+                 tl.load(rs_tok + t * RS_TOK + h, mask=live, other=0.0),
                  tl.load(cos_ptr + co + zh + d, mask=m, other=0.0),
                  tl.load(cos_ptr + co + zh + HALF + d, mask=m, other=0.0),
                  tl.load(sin_ptr + so + zh + HALF + d, mask=m, other=0.0),
@@ -716,6 +722,11 @@ def _qk_norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return xs, rs
 
 
+def _partials(programs: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (programs, D) fp32 partial weight gradients of dwq and dwk (each program writes its row)."""
+    return (torch.empty((programs, head_dim), dtype=torch.float32, device=device) for _ in range(2))
+
+
 def _norm_bwd_launch(dqkv: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
                      offset: float, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -723,9 +734,6 @@ def _norm_bwd_launch(dqkv: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, rs
     copied, or ``dqkv`` itself, in place); returns (dq_weight, dk_weight) in the weights' dtype."""
     B, S, n = dqkv.shape
     D = n // (n_q + 2 * n_kv)
-    programs = triton.cdiv(B * S, _NORM_BWD_TOKENS)
-    dwq = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)  # every row written
-    dwk = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)
     if B * S > 0 and D > 0:
         cos, sin = unit_last(cos), unit_last(sin)
         half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
@@ -735,20 +743,23 @@ def _norm_bwd_launch(dqkv: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, rs
         copy_v = out.data_ptr() != dqkv.data_ptr()
         if not copy_v and n_rest == 0 and not interleaved and D & (D - 1) == 0:  # the persistent kernel's case
             programs = min(B * S, _sm_count(dqkv.device) * _NORM_BWD_PROGRAMS_PER_SM)
-            dwq = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)  # every row written
-            dwk = torch.empty((programs, D), dtype=torch.float32, device=dqkv.device)
+            dwq, dwk = _partials(programs, D, dqkv.device)
             wrap_triton(_norm_rope_qkv_bwd_persistent)[(programs,)](
                 dqkv, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, B * S, S, sc_b, sc_s, ss_b, ss_s, offset,
                 HQ=int(n_q), HKV=int(n_kv), BHQ=triton.next_power_of_2(int(n_q)),
                 BHK=triton.next_power_of_2(int(n_kv)), HALF=int(D) // 2,
                 MASKED=(n_q & (n_q - 1)) != 0 or (n_kv & (n_kv - 1)) != 0, num_warps=_WARPS)
-            return dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
-        wrap_triton(_norm_rope_qkv_bwd_kernel)[(programs,)](
-            dqkv, out, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, B * S, S, n_q, n_kv, sc_b, sc_s, ss_b, ss_s,
-            D, half, n_rest, offset, INTERLEAVED=interleaved, TOKENS=_NORM_BWD_TOKENS,
-            BLOCK_HQ=_head_block(int(n_q), block_full), BLOCK_HK=_head_block(int(n_kv), block_full),
-            BLOCK_D=block_d, BLOCK_R=block_r,
-            BLOCK_V=min(_TILE, triton.next_power_of_2(int(n_kv) * int(D))) if copy_v else 0, num_warps=_WARPS)
+        else:
+            programs = triton.cdiv(B * S, _NORM_BWD_TOKENS)
+            dwq, dwk = _partials(programs, D, dqkv.device)
+            wrap_triton(_norm_rope_qkv_bwd_kernel)[(programs,)](
+                dqkv, out, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, B * S, S, n_q, n_kv, sc_b, sc_s, ss_b,
+                ss_s, D, half, n_rest, offset, INTERLEAVED=interleaved, TOKENS=_NORM_BWD_TOKENS,
+                BLOCK_HQ=_head_block(int(n_q), block_full), BLOCK_HK=_head_block(int(n_kv), block_full),
+                BLOCK_D=block_d, BLOCK_R=block_r,
+                BLOCK_V=min(_TILE, triton.next_power_of_2(int(n_kv) * int(D))) if copy_v else 0, num_warps=_WARPS)
+    else:
+        dwq, dwk = (torch.zeros((1, D), dtype=torch.float32, device=dqkv.device) for _ in range(2))
     return dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
 
 

@@ -221,10 +221,10 @@ def test_softcap_setting_picks_the_kernel_by_head_dim_and_names_a_bad_value(monk
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the routing is CUDA's")
-@pytest.mark.parametrize("d,kernel", [(64, True), (128, True), (256, False)])
+@pytest.mark.parametrize("d,kernel", [(64, True), (128, True), (256, True), (96, False)])
 def test_bf16_softcapped_attention_runs_the_triton_kernel_at_its_head_dims(d, kernel):
     """On CUDA in bf16, soft-capped attention (documents, a window, or neither) runs kernels.document_attention at
-    head dims 64 and 128, and FlexAttention at 256 (Gemma 2's, not measured against it yet)."""
+    head dims 64, 128 and 256 (Gemma 2's), and FlexAttention at others."""
     qkv = randn(2, 256, 12 * d, dtype=torch.bfloat16).requires_grad_()
     q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([8 * d, 2 * d, 2 * d], dim=-1))
     for mask, window in ((AttentionMask(256, Documents.from_ids(_documents(2, 256))), None), (None, 100),
