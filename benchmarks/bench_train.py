@@ -23,8 +23,8 @@ Per run: ``tokens_per_s`` (median over the steps after ``--warmup`` of all input
 the step time being ligermodels.train's own per-step figure, or the time between the Trainer's
 consecutive ``on_step_end`` callbacks after a device sync), ``peak_mem_gb``
 (``max_memory_allocated``, whole run), and ``losses`` (every step's loss, to compare the runs'
-numbers). ``ligermodels`` runs the CLI's default loss head (``--loss-strategy auto``: ``vocab`` at Gemma's
-256k vocabulary, ``tokens`` at the others); ``ligermodels-tokens`` / ``ligermodels-vocab`` force one
+numbers). ``ligermodels`` runs the CLI's default loss head (``--loss-strategy auto``: ``tokens`` unless its fp32
+vocabulary x hidden buffer takes 1/32 of the GPU's memory); ``ligermodels-tokens`` / ``ligermodels-vocab`` force one
 (``vocab``: no fp32 vocab x hidden gradient buffer in the loss head, less memory, one more GEMM).
 ``ligermodels-causal`` is the same run attending across whole rows (``--attention causal``):
 the step's cost of attending within documents. ``bare`` is the same model's training step alone
@@ -333,12 +333,17 @@ def hf_worker(args) -> dict:
 
 def bare_worker(args) -> dict:
     """(In a child process.) bench_e2e's ligermodels step with the loop's fp32-master optimiser and loss head."""
+    import torch
+
     from benchmarks import bench_e2e
-    from ligermodels.train import AUTO_VOCAB_BYTES
+    from ligermodels.config import DecoderConfig
+    from ligermodels.train import loss_strategy
 
     model = bench_e2e.MODELS[args.model]  # the loss head ligermodels.train picks by default (--loss-strategy auto)
-    vocab_buffer = 4 * model["vocab_size"] * model["hidden_size"]
-    bench_e2e.FLCE_STRATEGY = "vocab" if vocab_buffer >= AUTO_VOCAB_BYTES else "tokens"
+    head = DecoderConfig(vocab_size=model["vocab_size"], hidden_size=model["hidden_size"], intermediate_size=1,
+                         num_layers=1, num_heads=1, num_kv_heads=1)
+    bench_e2e.FLCE_STRATEGY = loss_strategy(argparse.Namespace(loss_strategy="auto", lora_rank=0), head,
+                                            torch.device("cuda"))
     row = bench_e2e.measure("ligermodels+master", args.model, args.batch, args.seq, args.steps - args.warmup,
                             args.warmup, args.ac != "none", None)
     return {"tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"], "peak_mem_gb": row["peak_mem_gb"],

@@ -145,7 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--loss-strategy", choices=("auto", "tokens", "vocab"),
       help="loss head (kernels.fused_linear_cross_entropy): tokens = fastest; vocab = one more GEMM, "
            "no fp32 (vocab, hidden) weight-gradient buffer (less memory for large vocabularies); "
-           "auto (default) = vocab where that buffer would reach 1.5 GiB and the head is trained, else tokens"),
+           "auto (default) = vocab where that buffer would take 1/32 of the device's memory and the head is "
+           "trained, else tokens"),
     a("--lora-rank", type=int, help="LoRA: train rank-R adapters on the frozen base (0: full fine-tuning); "
                                     "OUT/final is then the adapter in PEFT's format")
     a("--lora-alpha", type=float, help="LoRA scale numerator: the adapters' output is scaled by alpha / rank")
@@ -651,20 +652,32 @@ def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> Ad
     return optimizer
 
 
-#: ``--loss-strategy auto`` picks "vocab" from this size of the "tokens" strategy's fp32 (V, H) weight-gradient
-#: buffer on: 1.95 GiB at Gemma's 256k x 2048, 1.96 at Llama-3-8B; Qwen2-1.5B's is 0.87, Llama-3.2-1B's 0.98.
-#: The buffer lives from the loss head's forward, where every layer's activations are alive, to its backward;
-#: "vocab" costs one more head GEMM instead (gemma-2b b4 on an H100: 1.0 GB less at the peak, 4% slower).
-AUTO_VOCAB_BYTES = 1.5 * 2**30
+#: ``--loss-strategy auto`` takes "vocab" where the "tokens" strategy's fp32 (V, H) weight-gradient buffer would
+#: take at least this share of the device's memory, else "tokens". The buffer lives from the loss head's forward,
+#: where every layer's activations are alive, to its backward; "vocab" costs one more head GEMM instead. Measured
+#: on an H100 (benchmarks/results/experiments/train-NVIDIA_H100_80GB_HBM3-2026-11-26-strat.json): Gemma-2-2B b4,
+#: whose buffer is 2.2 GiB (256000 x 2304), ran 288.5 ms a step with "vocab" and 277.3 with "tokens" (3.9% faster)
+#: for 1.8 GB more at the peak (47.8 -> 49.6 GB). At 1/32 an 80 GB GPU keeps "tokens" up to a 2.5 GiB buffer
+#: (Gemma's 256k vocabulary at hidden 2048-2304, Llama-3-8B's 128k x 4096: 1.96 GiB), a 24 GB one up to 0.75 GiB.
+AUTO_VOCAB_SHARE = 1 / 32
 
 
-def loss_strategy(args: argparse.Namespace, config: DecoderConfig) -> str:
-    """The loss head's strategy for ``--loss-strategy`` (``auto``: see :data:`AUTO_VOCAB_BYTES`); LoRA freezes
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's memory in bytes: a GPU's total, or the host's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def loss_strategy(args: argparse.Namespace, config: DecoderConfig, device: torch.device) -> str:
+    """The loss head's strategy for ``--loss-strategy`` (``auto``: see :data:`AUTO_VOCAB_SHARE`); LoRA freezes
     the head, which then has no weight-gradient buffer and takes "tokens"."""
     if args.loss_strategy != "auto":
         return args.loss_strategy
     buffer = 4 * config.vocab_size * config.hidden_size
-    return "vocab" if buffer >= AUTO_VOCAB_BYTES and not args.lora_rank else "tokens"
+    if args.lora_rank or buffer < AUTO_VOCAB_SHARE * device_memory_bytes(device):
+        return "tokens"
+    return "vocab"
 
 
 def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
@@ -684,7 +697,7 @@ def step_loss(model: CausalLM, args: argparse.Namespace, input_ids: torch.Tensor
               positions: torch.Tensor, num_items: torch.Tensor, documents: Documents | None) -> torch.Tensor:
     """The training loss of one micro-batch on the device (eager, and inside ``--cuda-graph``'s capture)."""
     return model.loss(input_ids, labels, num_items=num_items, position_ids=positions, document_ids=documents,
-                      strategy=loss_strategy(args, model.config))
+                      strategy=loss_strategy(args, model.config, input_ids.device))
 
 
 def check_cuda_graph(args: argparse.Namespace, config: DecoderConfig, world: int, device: torch.device) -> None:
@@ -1341,7 +1354,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     say(f"{c.model_type}: {c.num_params() / 1e6:.2f}M parameters, {c.num_layers} layers, hidden {c.hidden_size} | "
         f"{len(inputs.documents)} documents, {rows.epoch_len} tokens per epoch | {world} rank(s) on {device.type}, "
         f"{args.dtype}, global batch {global_rows} x {args.seq_len} tokens | steps {step + 1}..{args.steps} | "
-        f"loss head: {loss_strategy(args, c)} | ready after {time.perf_counter() - t_start:.1f} s")
+        f"loss head: {loss_strategy(args, c, device)} | ready after {time.perf_counter() - t_start:.1f} s")
 
     # -- the loop. The host reads a step's numbers (loss, gradient norm: a sync) only once the next step
     # is queued behind it, so the GPU never waits for the host between steps; a step due for a

@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import ligermodels.train as train_module
 from kernels import AdamW
 from ligermodels import LigerLlama, document_ids_from_positions
 from ligermodels.blocks import MLP, RMSNorm
@@ -53,6 +54,7 @@ from ligermodels.train import (
     check_cuda_graph,
     check_out_dir,
     check_resume,
+    device_memory_bytes,
     exposed_us,
     idle_by_launch_site,
     init_device,
@@ -993,20 +995,28 @@ def test_memory_at_peak_replays_the_allocator_trace():
                         ("kernels/glu.py:9 glu", 90, 2)]
 
 
-@pytest.mark.parametrize("vocab, hidden, lora, expected", [
-    (256000, 2048, 0, "vocab"),  # Gemma: a 1.95 GiB fp32 (V, H) buffer
-    (128256, 4096, 0, "vocab"),  # Llama-3-8B
-    (151936, 1536, 0, "tokens"),  # Qwen2-1.5B: 0.87 GiB
-    (128256, 2048, 0, "tokens"),  # Llama-3.2-1B
-    (256000, 2048, 16, "tokens"),  # LoRA: the head is frozen, no weight-gradient buffer
+@pytest.mark.parametrize("vocab, hidden, memory_gb, lora, expected", [
+    (256000, 2304, 80, 0, "tokens"),  # Gemma 2: a 2.2 GiB fp32 (V, H) buffer, under 1/32 of an 80 GB GPU
+    (128256, 4096, 80, 0, "tokens"),  # Llama-3-8B: 1.96 GiB
+    (256000, 2304, 24, 0, "vocab"),  # the same buffer on a 24 GB GPU
+    (256000, 4608, 80, 0, "vocab"),  # Gemma-2-27B's 4.4 GiB
+    (151936, 1536, 24, 0, "vocab"),  # Qwen2-1.5B's 0.87 GiB, over a 24 GB GPU's 0.70 GiB
+    (128256, 2048, 40, 0, "tokens"),  # Llama-3.2-1B's 0.98 GiB, under a 40 GB GPU's 1.16 GiB
+    (256000, 4608, 24, 16, "tokens"),  # LoRA: the head is frozen, no weight-gradient buffer
 ])
-def test_auto_loss_strategy_saves_the_head_buffer_only_where_it_is_large(vocab, hidden, lora, expected):
+def test_auto_loss_strategy_keeps_the_faster_head_unless_its_buffer_takes_a_32nd_of_the_device(
+        monkeypatch, vocab, hidden, memory_gb, lora, expected):
+    monkeypatch.setattr(train_module, "device_memory_bytes", lambda device: memory_gb * 10**9)
     args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--lora-rank", str(lora)])
     config = DecoderConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_layers=1,
                            num_heads=8, num_kv_heads=8)
-    assert loss_strategy(args, config) == expected
+    assert loss_strategy(args, config, torch.device("cuda")) == expected
     args.loss_strategy = "tokens"
-    assert loss_strategy(args, config) == "tokens"  # a strategy asked for is kept
+    assert loss_strategy(args, config, torch.device("cuda")) == "tokens"  # a strategy asked for is kept
+
+
+def test_device_memory_is_the_hosts_for_the_cpu():
+    assert device_memory_bytes(torch.device("cpu")) > 2**30
 
 
 def test_load_full_state_copies_every_tensor_and_names_a_mismatch():
