@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=FAMILIES, help="families to run")
     ap.add_argument("--merge-from", help="an earlier results file: its rows for ops not rerun are kept "
                                          "(marked with their own date and copy bandwidth); 'latest': the newest "
-                                         "kernels-*.json of this GPU in benchmarks/results, by its recorded date")
+                                         "kernels-*.json of this GPU in benchmarks/results, by its recorded date; "
+                                         "its notes are carried over")
     args = ap.parse_args()
     gpu = environment()["gpu"]
     if args.merge_from == "latest":
@@ -56,15 +57,17 @@ def main() -> None:
                 print(f"{r['op']:>22} {r['shape']:>16} {r['impl']:>12} {r['pass']} {r['ms']:8.3f} ms "
                       f"{r['gbs']:7.0f} GB/s {100 * r['frac_copy_bw']:5.1f}%  wall {r['wall_ms']:8.3f} ms  "
                       f"{r['launches']:g} launches")
+    extra = {}
     if args.merge_from:
         with open(args.merge_from) as f:
             old = json.load(f)
+        extra["notes"] = old.get("notes", [])  # what earlier runs said of the rows kept; new notes are appended
         rerun = {r["op"] for r in rows}
         # a row the old file itself carried over keeps the date and copy bandwidth of the run that measured it
         rows += [{**r, "from_run": r.get("from_run", old["date"]),
                   "run_copy_gbs": r.get("run_copy_gbs", old["copy_gbs"])} for r in old["rows"] if r["op"] not in rerun]
     path = write_results(f"kernels-{gpu.replace(' ', '_')}-{environment()['date']}",
-                         {"copy_gbs": copy_gbs, "timing": "cuda-kernels", "rows": rows}, args.out)
+                         {"copy_gbs": copy_gbs, "timing": "cuda-kernels", **extra, "rows": rows}, args.out)
     print("wrote", path)
 
 

@@ -43,7 +43,7 @@ would divide by w). Backward, per head, with ``g`` the un-rotated output gradien
     dx = rstd * (g*(offset+w) - n * mean(g*(offset+w) * n))      dw = sum over tokens and heads of g * n
 
 each program (8 tokens, ``_NORM_BWD_TOKENS``) writes its fp32 (D,) partial dw (summed over its tokens
-and heads), summed over the programs after; the v heads are copied in the same launch, or with
+and heads), summed over the programs by one more launch; the v heads are copied in the same launch, or with
 ``reuse_grad`` dx is written over dy (the v heads' gradient already in place). In place with whole-head
 rotate-half rotary at a power-of-two head dim (Qwen3, Gemma 3) a persistent kernel does the same
 (:func:`_norm_rope_qkv_bwd_persistent`, one partial row per program).
@@ -74,13 +74,23 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels._common import LIB, check_same_device, compute_dtype, unit_last, use_triton
-from kernels.rms_norm import rms_norm_reference
+from kernels.rms_norm import _dw_tiling, _rms_norm_dw_kernel, rms_norm_reference
 
 #: Elements per half-tile of one program (16 heads x 64 at head_dim 128), and warps. Measured on an
 #: H100 (kernel time, 32/8 heads of 128, bf16): 2048 x 4 warps ran at 83-92% of copy bandwidth,
 #: 1024 x 4 at 85-95%; 8 warps or larger tiles were slower.
 _TILE = 1024
 _WARPS = 4
+#: :func:`_rope_kernel` (one token a program) where a token's q and k heads store at most this many elements:
+#: one warp and tiles of 2048 elements. Per-SM residency is capped at 32 programs, so with 4-warp programs
+#: (16 resident) a small token kept too few bytes in flight. H100 sweep (experiments/rope-launch-sweep-*.json),
+#: in place at 4 x 2048 / 4 x 8192: Qwen2-1.5B's 12 + 2 heads of 128 (1792 elements) 75% / 82% of copy
+#: bandwidth with one warp against 61% / 66% with four; Phi-4-mini's 24 + 8 heads of 96 rotary channels
+#: (3072) 81% / 89% against 74% / 81%; Llama's 32 + 8 heads of 128 (5120) 89% / 94% against 91% / 94%,
+#: so larger tokens keep 4 warps and 1024-element tiles. The q/k-norm forward takes the warp count and keeps its
+#: 1024-element tiles (2048 with one warp ran at 76% at Qwen3's 16 + 8 heads of 128): 83% / 90% at Qwen3's heads
+#: (85% / 89% with 4 warps), 89% / 93% at Gemma 3's 8 + 4 heads of 256 (78% / 82% with 4 warps).
+_SMALL_TOKEN = 4096
 #: Tokens per program of the q/k-norm backward: its weight gradients are summed over them in registers,
 #: so the fp32 partials it writes are (B*S / 8, D). Kernel time on an H100 (experiments/qknorm-bwd-sweep-*):
 #: 2, 4, 8 tokens within 4% at head dim 128, 8 the fastest at 256; 8 warps or half the head tile slower.
@@ -134,8 +144,8 @@ def _rotate_heads(x_ptr, o_ptr, n_heads, stride_h, stride_oh, half, n_rest, c1, 
     (Phi-4-mini: 48 channels each in a 64-wide, 25%-masked tile, the second starting mid-row), plus the
     D - R rest channels in a third load: misaligned, partly masked accesses that ran at only 59-77% of
     copy bandwidth on an H100 (whole-head rotary, R = D = 128, runs at ~95% here). The row path loads
-    each head's row as one contiguous tile instead: 84-90% out of place on the same H100 (in place 74-81%,
-    both passes; kernels-NVIDIA_H100_80GB_HBM3-2026-11-26.json)."""
+    each head's row as one contiguous tile instead: 89-96% out of place on the same H100 (in place 81-89%,
+    both passes, with the one-warp launch of :data:`_SMALL_TOKEN`; kernels-NVIDIA_H100_80GB_HBM3-2026-11-26.json)."""
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
@@ -403,7 +413,7 @@ def _norm_rope_qkv_kernel(x_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, cos_ptr, sin_pt
 
 
 @triton.jit
-def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dwq_ptr, dwk_ptr, cos_ptr, sin_ptr,
+def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw_ptr, cos_ptr, sin_ptr,
                               n_tokens, seq_len, n_qh, n_kh, sc_b, sc_s, ss_b, ss_s, head_dim, half, n_rest, offset,
                               INTERLEAVED: tl.constexpr, TOKENS: tl.constexpr, BLOCK_HQ: tl.constexpr,
                               BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -411,7 +421,7 @@ def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw
     """Backward of :func:`_norm_rope_qkv_kernel` for ``TOKENS`` consecutive tokens: dy, dx contiguous
     (B*S, (Hq + 2*Hkv) * D), the v heads copied (BLOCK_V > 0) or dx = dy, in place (BLOCK_V = 0: each
     tile is loaded before it is stored); the program's fp32 partial weight gradients, summed over its
-    tokens, in row ``program_id`` of dwq, dwk (programs, D)."""
+    tokens, in row ``program_id`` of dw (programs, 2 * D): q's then k's."""
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     r = tl.arange(0, BLOCK_R)
@@ -444,8 +454,8 @@ def _norm_rope_qkv_bwd_kernel(dy_ptr, dx_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw
                 vo = row + (n_qh + n_kh) * head_dim
                 _copy_span(dy_ptr + vo, dx_ptr + vo, n_kh * head_dim, BLOCK_V)
     o1, o2, _ = _pair_offsets(d, half, INTERLEAVED)
-    wq_row = dwq_ptr + pid * head_dim
-    wk_row = dwk_ptr + pid * head_dim
+    wq_row = dw_ptr + pid * 2 * head_dim
+    wk_row = wq_row + head_dim
     tl.store(wq_row + o1, tl.sum(q1, axis=0), mask=dmask)
     tl.store(wq_row + o2, tl.sum(q2, axis=0), mask=dmask)
     tl.store(wq_row + 2 * half + r, tl.sum(qr, axis=0), mask=rmask)
@@ -544,7 +554,7 @@ def _head_group_bwd(dy_tok, tiles, w1, w2, acc1, acc2, NH: tl.constexpr, BH: tl.
 
 
 @triton.jit
-def _norm_rope_qkv_bwd_persistent(dy_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dwq_ptr, dwk_ptr, cos_ptr, sin_ptr,
+def _norm_rope_qkv_bwd_persistent(dy_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw_ptr, cos_ptr, sin_ptr,
                                   n_tokens, seq_len, sc_b, sc_s, ss_b, ss_s, offset, HQ: tl.constexpr,
                                   HKV: tl.constexpr, BHQ: tl.constexpr, BHK: tl.constexpr, HALF: tl.constexpr,
                                   MASKED: tl.constexpr):
@@ -553,8 +563,8 @@ def _norm_rope_qkv_bwd_persistent(dy_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dwq_pt
     ``pid`` taking tokens pid, pid + G, ..., with the next token's loads issued before the current token's
     math and stores (a token's loads are always in flight). Head counts and strides are compile-time
     constants, so nothing is masked unless the head counts are not powers of two (MASKED); the partial
-    weight gradients of a program, summed over its tokens and heads in registers, go to row ``pid`` of dwq,
-    dwk (G, D). On an H200 (scratch sweep, session 15) 1.6x / 2.1x faster than the per-8-tokens kernel at
+    weight gradients of a program, summed over its tokens and heads in registers, go to row ``pid`` of dw
+    (G, 2 * D): q's then k's. On an H200 (scratch sweep, session 15) 1.6x / 2.1x faster than the per-8-tokens kernel at
     head dims 128 / 256: fewer instructions per element (half rows of 8 bf16 a thread, no head loop, no
     masks) and more bytes in flight."""
     pid = tl.program_id(0)
@@ -585,11 +595,11 @@ def _norm_rope_qkv_bwd_persistent(dy_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dwq_pt
         q = nq
         k = nk
         tok = nxt
-    do = tl.arange(0, HALF)
-    tl.store(dwq_ptr + pid * 2 * HALF + do, tl.sum(tl.sum(aq1, axis=1), axis=0))
-    tl.store(dwq_ptr + pid * 2 * HALF + HALF + do, tl.sum(tl.sum(aq2, axis=1), axis=0))
-    tl.store(dwk_ptr + pid * 2 * HALF + do, tl.sum(tl.sum(ak1, axis=1), axis=0))
-    tl.store(dwk_ptr + pid * 2 * HALF + HALF + do, tl.sum(tl.sum(ak2, axis=1), axis=0))
+    row = dw_ptr + pid * 4 * HALF + tl.arange(0, HALF)
+    tl.store(row, tl.sum(tl.sum(aq1, axis=1), axis=0))
+    tl.store(row + HALF, tl.sum(tl.sum(aq2, axis=1), axis=0))
+    tl.store(row + 2 * HALF, tl.sum(tl.sum(ak1, axis=1), axis=0))
+    tl.store(row + 3 * HALF, tl.sum(tl.sum(ak2, axis=1), axis=0))
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -600,8 +610,15 @@ def _cs_strides(t: torch.Tensor) -> tuple[int, int]:
     return (0 if t.shape[0] == 1 else t.stride(0)), t.stride(1)
 
 
-def _head_block(n_heads: int, block_d: int) -> int:
-    return min(triton.next_power_of_2(max(n_heads, 1)), max(_TILE // block_d, 1))
+def _token_launch(elements: int) -> tuple[int, int]:
+    """(tile elements, num_warps) of a one-token-a-program kernel whose token moves ``elements`` q / k
+    elements (see :data:`_SMALL_TOKEN`)."""
+    return (2048, 1) if elements <= _SMALL_TOKEN else (_TILE, _WARPS)
+
+
+def _head_block(n_heads: int, block_d: int, tile: int = _TILE) -> int:
+    """Heads a tile holds: all of them, or as many rows of ``block_d`` as ``tile`` elements take."""
+    return min(triton.next_power_of_2(max(n_heads, 1)), max(tile // block_d, 1))
 
 
 def _blocks(head_dim: int, rotary_dim: int) -> tuple[int, int, int, int]:
@@ -631,15 +648,16 @@ def _launch(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.
     row = not interleaved and n_rest > 0
     block_f = triton.next_power_of_2(int(D) if copy_rest else 2 * half) if row else 1
     block_h = block_f if row else block_d
+    tile, warps = _token_launch((int(Hq) + int(Hkv)) * (int(D) if copy_rest else 2 * half))
     wrap_triton(_rope_kernel)[(B * S,)](
         x_q, x_k, cos, sin, qo, ko, xv, vo, S, Hq, Hkv,
         x_q.stride(0), x_q.stride(1), x_q.stride(2), x_k.stride(0), x_k.stride(1), x_k.stride(2),
         qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
         xv.stride(0), xv.stride(1), vo.stride(0), vo.stride(1), n_v, sc_b, sc_s, ss_b, ss_s, half, n_rest,
         BACKWARD=backward, INTERLEAVED=interleaved, COPY_REST=copy_rest and n_rest > 0,
-        BLOCK_HQ=_head_block(int(Hq), block_h), BLOCK_HK=_head_block(int(Hkv), block_h),
+        BLOCK_HQ=_head_block(int(Hq), block_h, tile), BLOCK_HK=_head_block(int(Hkv), block_h, tile),
         BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_V=min(_TILE, triton.next_power_of_2(n_v)) if n_v else 0,
-        ROW=row, BLOCK_F=block_f, num_warps=_WARPS)
+        ROW=row, BLOCK_F=block_f, num_warps=warps)
 
 
 def _rotate_new(x_q: torch.Tensor, x_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -714,72 +732,71 @@ def _qk_norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     sc_b, sc_s = _cs_strides(cos)
     ss_b, ss_s = _cs_strides(sin)
     block_full = 2 * max(block_d, block_r)
+    _, warps = _token_launch((int(n_q) + int(n_kv)) * int(D))  # its 1024-element tiles: 2048 spilled at D 128
     wrap_triton(_norm_rope_qkv_kernel)[(B * S,)](
         qkv, xs, rs, q_weight, k_weight, cos, sin, S, n_q, n_kv, qkv.stride(0), qkv.stride(1),
         sc_b, sc_s, ss_b, ss_s, D, half, n_rest, eps, offset,
         CASTING=casting, INTERLEAVED=interleaved, BLOCK_HQ=_head_block(int(n_q), block_full),
-        BLOCK_HK=_head_block(int(n_kv), block_full), BLOCK_D=block_d, BLOCK_R=block_r, num_warps=_WARPS)
+        BLOCK_HK=_head_block(int(n_kv), block_full), BLOCK_D=block_d, BLOCK_R=block_r, num_warps=warps)
     return xs, rs
-
-
-def _partials(programs: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (programs, D) fp32 partial weight gradients of dwq and dwk (each program writes its row)."""
-    return (torch.empty((programs, head_dim), dtype=torch.float32, device=device) for _ in range(2))
 
 
 def _norm_bwd_launch(dqkv: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
-                     offset: float, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     offset: float, interleaved: bool) -> torch.Tensor:
     """Run :func:`_norm_rope_qkv_bwd_kernel` from contiguous ``dqkv`` into ``out`` (a new buffer, the v heads
-    copied, or ``dqkv`` itself, in place); returns (dq_weight, dk_weight) in the weights' dtype."""
+    copied, or ``dqkv`` itself, in place); returns the weight gradients as one (2, D) tensor in q_weight's dtype
+    (q's, then k's): the programs' fp32 partials (programs, 2 * D) summed by one more launch
+    (:func:`kernels.rms_norm._rms_norm_dw_kernel`), two launches in all."""
     B, S, n = dqkv.shape
     D = n // (n_q + 2 * n_kv)
-    if B * S > 0 and D > 0:
-        cos, sin = unit_last(cos), unit_last(sin)
-        half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
-        sc_b, sc_s = _cs_strides(cos)
-        ss_b, ss_s = _cs_strides(sin)
-        block_full = 2 * max(block_d, block_r)
-        copy_v = out.data_ptr() != dqkv.data_ptr()
-        if not copy_v and n_rest == 0 and not interleaved and D & (D - 1) == 0:  # the persistent kernel's case
-            programs = min(B * S, _sm_count(dqkv.device) * _NORM_BWD_PROGRAMS_PER_SM)
-            dwq, dwk = _partials(programs, D, dqkv.device)
-            wrap_triton(_norm_rope_qkv_bwd_persistent)[(programs,)](
-                dqkv, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, B * S, S, sc_b, sc_s, ss_b, ss_s, offset,
-                HQ=int(n_q), HKV=int(n_kv), BHQ=triton.next_power_of_2(int(n_q)),
-                BHK=triton.next_power_of_2(int(n_kv)), HALF=int(D) // 2,
-                MASKED=(n_q & (n_q - 1)) != 0 or (n_kv & (n_kv - 1)) != 0, num_warps=_WARPS)
-        else:
-            programs = triton.cdiv(B * S, _NORM_BWD_TOKENS)
-            dwq, dwk = _partials(programs, D, dqkv.device)
-            wrap_triton(_norm_rope_qkv_bwd_kernel)[(programs,)](
-                dqkv, out, xs, rs, q_weight, k_weight, dwq, dwk, cos, sin, B * S, S, n_q, n_kv, sc_b, sc_s, ss_b,
-                ss_s, D, half, n_rest, offset, INTERLEAVED=interleaved, TOKENS=_NORM_BWD_TOKENS,
-                BLOCK_HQ=_head_block(int(n_q), block_full), BLOCK_HK=_head_block(int(n_kv), block_full),
-                BLOCK_D=block_d, BLOCK_R=block_r,
-                BLOCK_V=min(_TILE, triton.next_power_of_2(int(n_kv) * int(D))) if copy_v else 0, num_warps=_WARPS)
+    dw = torch.empty((2, D), dtype=q_weight.dtype, device=dqkv.device)
+    if B * S == 0 or D == 0:
+        return dw.zero_()
+    cos, sin = unit_last(cos), unit_last(sin)
+    half, n_rest, block_d, block_r = _blocks(D, cos.shape[-1])
+    sc_b, sc_s = _cs_strides(cos)
+    ss_b, ss_s = _cs_strides(sin)
+    block_full = 2 * max(block_d, block_r)
+    copy_v = out.data_ptr() != dqkv.data_ptr()
+    if not copy_v and n_rest == 0 and not interleaved and D & (D - 1) == 0:  # the persistent kernel's case
+        programs = min(B * S, _sm_count(dqkv.device) * _NORM_BWD_PROGRAMS_PER_SM)
+        partial = torch.empty((programs, 2 * D), dtype=torch.float32, device=dqkv.device)
+        wrap_triton(_norm_rope_qkv_bwd_persistent)[(programs,)](
+            dqkv, xs, rs, q_weight, k_weight, partial, cos, sin, B * S, S, sc_b, sc_s, ss_b, ss_s, offset,
+            HQ=int(n_q), HKV=int(n_kv), BHQ=triton.next_power_of_2(int(n_q)), BHK=triton.next_power_of_2(int(n_kv)),
+            HALF=int(D) // 2, MASKED=(n_q & (n_q - 1)) != 0 or (n_kv & (n_kv - 1)) != 0, num_warps=_WARPS)
     else:
-        dwq, dwk = (torch.zeros((1, D), dtype=torch.float32, device=dqkv.device) for _ in range(2))
-    return dwq.sum(0).to(q_weight.dtype), dwk.sum(0).to(k_weight.dtype)
+        programs = triton.cdiv(B * S, _NORM_BWD_TOKENS)
+        partial = torch.empty((programs, 2 * D), dtype=torch.float32, device=dqkv.device)
+        wrap_triton(_norm_rope_qkv_bwd_kernel)[(programs,)](
+            dqkv, out, xs, rs, q_weight, k_weight, partial, cos, sin, B * S, S, n_q, n_kv, sc_b, sc_s, ss_b,
+            ss_s, D, half, n_rest, offset, INTERLEAVED=interleaved, TOKENS=_NORM_BWD_TOKENS,
+            BLOCK_HQ=_head_block(int(n_q), block_full), BLOCK_HK=_head_block(int(n_kv), block_full),
+            BLOCK_D=block_d, BLOCK_R=block_r,
+            BLOCK_V=min(_TILE, triton.next_power_of_2(int(n_kv) * int(D))) if copy_v else 0, num_warps=_WARPS)
+    block_p, block_n, warps = _dw_tiling(programs, 2 * D)
+    wrap_triton(_rms_norm_dw_kernel)[(triton.cdiv(2 * D, block_n),)](
+        partial, dw, programs, 2 * D, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=warps)
+    return dw
 
 
 @triton_op(f"{LIB}::qk_norm_rope_qkv_bwd", mutates_args={})
 def _qk_norm_rope_qkv_bwd(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
-                          offset: float, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dqkv before the op (B, S, (Hq + 2*Hkv) * D), dq_weight, dk_weight (D,) in the weights' dtype)."""
+                          offset: float, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dqkv before the op (B, S, (Hq + 2*Hkv) * D), the weight gradients (2, D): q's, k's, in q_weight's dtype)."""
     dqkv = dqkv.contiguous()
     out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
-    dwq, dwk = _norm_bwd_launch(dqkv, out, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved)
-    return out, dwq, dwk
+    return out, _norm_bwd_launch(dqkv, out, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved)
 
 
 @triton_op(f"{LIB}::qk_norm_rope_qkv_bwd_", mutates_args={"dqkv"})
 def _qk_norm_rope_qkv_bwd_(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
-                           offset: float, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           offset: float, interleaved: bool) -> torch.Tensor:
     """:func:`_qk_norm_rope_qkv_bwd` in place: contiguous ``dqkv`` becomes the gradient before the op (its v
-    heads are already that); returns (dq_weight, dk_weight)."""
+    heads are already that); returns the weight gradients (2, D)."""
     return _norm_bwd_launch(dqkv, dqkv, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved)
 
 
@@ -858,10 +875,10 @@ class QKNormRoPEQKVInplaceFunction(torch.autograd.Function):
     def backward(ctx, dqkv: torch.Tensor):
         xs, rs, cos, sin, wq, wk = ctx.saved_tensors
         if _reusable(ctx, dqkv):
-            dwq, dwk = _qk_norm_rope_qkv_bwd_(dqkv, xs, rs, cos, sin, wq, wk, *ctx.args)
+            dw = _qk_norm_rope_qkv_bwd_(dqkv, xs, rs, cos, sin, wq, wk, *ctx.args)
         else:
-            dqkv, dwq, dwk = _qk_norm_rope_qkv_bwd(dqkv, xs, rs, cos, sin, wq, wk, *ctx.args)
-        return dqkv, None, None, dwq, dwk, None, None, None, None, None, None, None
+            dqkv, dw = _qk_norm_rope_qkv_bwd(dqkv, xs, rs, cos, sin, wq, wk, *ctx.args)
+        return dqkv, None, None, dw[0], dw[1].to(wk.dtype), None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
