@@ -663,10 +663,14 @@ AUTO_VOCAB_SHARE = 1 / 32
 
 
 def device_memory_bytes(device: torch.device) -> int:
-    """The device's memory in bytes: a GPU's total, or the host's physical memory for the CPU."""
+    """The device's memory in bytes: a GPU's total, or the host's physical memory for the CPU (where the OS
+    does not say, 2**40: the loss head then takes "tokens", the faster)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return 2**40
 
 
 def loss_strategy(args: argparse.Namespace, config: DecoderConfig, device: torch.device) -> str:

@@ -1015,8 +1015,14 @@ def test_auto_loss_strategy_keeps_the_faster_head_unless_its_buffer_takes_a_32nd
     assert loss_strategy(args, config, torch.device("cuda")) == "tokens"  # a strategy asked for is kept
 
 
-def test_device_memory_is_the_hosts_for_the_cpu():
+def test_device_memory_is_the_hosts_for_the_cpu(monkeypatch):
     assert device_memory_bytes(torch.device("cpu")) > 2**30
+
+    def unknown(name):
+        raise ValueError(name)
+
+    monkeypatch.setattr(os, "sysconf", unknown)  # an OS that does not say: "tokens", the faster head
+    assert device_memory_bytes(torch.device("cpu")) == 2**40
 
 
 def test_load_full_state_copies_every_tensor_and_names_a_mismatch():
