@@ -336,14 +336,10 @@ def bare_worker(args) -> dict:
     import torch
 
     from benchmarks import bench_e2e
-    from ligermodels.config import DecoderConfig
-    from ligermodels.train import loss_strategy
+    from ligermodels.train import auto_loss_strategy
 
     model = bench_e2e.MODELS[args.model]  # the loss head ligermodels.train picks by default (--loss-strategy auto)
-    head = DecoderConfig(vocab_size=model["vocab_size"], hidden_size=model["hidden_size"], intermediate_size=1,
-                         num_layers=1, num_heads=1, num_kv_heads=1)
-    bench_e2e.FLCE_STRATEGY = loss_strategy(argparse.Namespace(loss_strategy="auto", lora_rank=0), head,
-                                            torch.device("cuda"))
+    bench_e2e.FLCE_STRATEGY = auto_loss_strategy(model["vocab_size"], model["hidden_size"], torch.device("cuda"))
     row = bench_e2e.measure("ligermodels+master", args.model, args.batch, args.seq, args.steps - args.warmup,
                             args.warmup, args.ac != "none", None)
     return {"tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"], "peak_mem_gb": row["peak_mem_gb"],

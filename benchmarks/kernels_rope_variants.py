@@ -41,7 +41,7 @@ read once per token: 2*T*R*s; the (D,) norm weights and their gradients are negl
   out-of-place baseline keeps its input alive instead, at the price of one more (T, Hq + Hkv, D) buffer).
   The v heads are not touched. Backward 3*T*(Hq + Hkv)*D*s (read the output gradient and the saved input of
   the q and k heads, write their input gradient over the output gradient; the v heads' gradient is already
-  in place). Not counted: one fp32 (D,) partial weight gradient per 8 tokens and weight, and their sum.
+  in place). Not counted: the fp32 partial weight gradients (one (2, D) row per program) and their sum.
 * ``rope_partial``, ``rope_interleaved`` (out of place): forward and backward 2*T*(Hq + Hkv)*D*s (whole heads
   read and written: the channels past R are copied).
 * ``*_inplace``: forward and backward 2*T*(Hq + Hkv)*R*s (in place only the R rotary channels of the q and k

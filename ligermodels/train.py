@@ -658,7 +658,7 @@ def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> Ad
 #: on an H100 (benchmarks/results/experiments/train-NVIDIA_H100_80GB_HBM3-2026-11-26-strat.json): Gemma-2-2B b4,
 #: whose buffer is 2.2 GiB (256000 x 2304), ran 288.5 ms a step with "vocab" and 277.3 with "tokens" (3.9% faster)
 #: for 1.8 GB more at the peak (47.8 -> 49.6 GB). At 1/32 an 80 GB GPU keeps "tokens" up to a 2.5 GiB buffer
-#: (Gemma's 256k vocabulary at hidden 2048-2304, Llama-3-8B's 128k x 4096: 1.96 GiB), a 24 GB one up to 0.75 GiB.
+#: (Gemma's 256k vocabulary at hidden 2048-2304, Llama-3-8B's 128k x 4096: 1.96 GiB), a 24 GB one up to 0.7 GiB.
 AUTO_VOCAB_SHARE = 1 / 32
 
 
@@ -673,15 +673,19 @@ def device_memory_bytes(device: torch.device) -> int:
         return 2**40
 
 
+def auto_loss_strategy(vocab_size: int, hidden_size: int, device: torch.device) -> str:
+    """``--loss-strategy auto`` for a trained (vocab_size, hidden_size) head on ``device``: "vocab" where the
+    "tokens" strategy's fp32 weight-gradient buffer takes :data:`AUTO_VOCAB_SHARE` of the device's memory."""
+    buffer = 4 * vocab_size * hidden_size
+    return "vocab" if buffer >= AUTO_VOCAB_SHARE * device_memory_bytes(device) else "tokens"
+
+
 def loss_strategy(args: argparse.Namespace, config: DecoderConfig, device: torch.device) -> str:
-    """The loss head's strategy for ``--loss-strategy`` (``auto``: see :data:`AUTO_VOCAB_SHARE`); LoRA freezes
+    """The loss head's strategy for ``--loss-strategy`` (``auto``: :func:`auto_loss_strategy`); LoRA freezes
     the head, which then has no weight-gradient buffer and takes "tokens"."""
     if args.loss_strategy != "auto":
         return args.loss_strategy
-    buffer = 4 * config.vocab_size * config.hidden_size
-    if args.lora_rank or buffer < AUTO_VOCAB_SHARE * device_memory_bytes(device):
-        return "tokens"
-    return "vocab"
+    return "tokens" if args.lora_rank else auto_loss_strategy(config.vocab_size, config.hidden_size, device)
 
 
 def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
