@@ -70,10 +70,14 @@ def test_op_compiles_without_graph_break_and_matches_eager(name):
         assert rel_err(a, b) <= 1e-2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora"])
 def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_type):
-    """The decoder's loss (attention with its SDPA backend choice, every custom op, the loss head) in one graph."""
+    """The decoder's loss (attention with its SDPA backend choice, every custom op, the loss head) in one graph;
+    "+lora": adapters on all seven projections (the gate+up term inside the GLU kernels), their gradients."""
     from ligermodels.families import config_from_hf, family_of
+    from ligermodels.lora import add_lora, lora_modules
+
+    model_type, lora = model_type.split("+")[0], model_type.endswith("+lora")
 
     hf = dict(model_type=model_type, vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
@@ -83,13 +87,17 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = family_of(model_type).cls(config_from_hf(hf)).to(torch.bfloat16).init_weights()
+        if lora:
+            add_lora(model, r=16, alpha=32, targets=["q", "k", "v", "o", "gate", "up", "down"])
+            for m in lora_modules(model).values():
+                torch.nn.init.normal_(m.lora_B, std=0.02)
     ids = torch.randint(0, 1000, (2, 300), device="cuda")
 
     def loss_and_grads(fn):
         model.zero_grad(set_to_none=True)
         loss = fn(ids, ids)
         loss.backward()
-        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
     eager = loss_and_grads(model.loss)
     compiled = loss_and_grads(torch.compile(model.loss, fullgraph=True))
