@@ -40,12 +40,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision for operands of ``dtype``: exact fp32 products for fp32 (not TF32), else the
-    default (bf16 / fp16 tensor cores)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def row_block(n: int) -> int:
     """Power-of-two block covering a row of ``n`` elements (Triton blocks must be powers of two)."""
     return triton.next_power_of_2(max(int(n), 1))

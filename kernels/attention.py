@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import INTERPRET, LIB, check_same_device, compute_dtype, dot_precision, unit_last, use_triton
+from kernels._common import INTERPRET, LIB, check_same_device, compute_dtype, unit_last, use_triton
 
 _LOG2E = 1.4426950408889634
 
@@ -382,6 +382,11 @@ def _config(head_dim: int) -> dict:
     return CONFIGS[next((d for d in sorted(CONFIGS) if d >= head_dim), max(CONFIGS))]
 
 
+def _precision(q: torch.Tensor) -> str:
+    """tl.dot's input precision: exact fp32 products for fp32 inputs (not TF32), the default otherwise."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def _scales(scale: float, softcap: float) -> tuple[float, float]:
     """The kernels' (qk_scale, cap_log2): base-2 logits are ``q.k * qk_scale`` with ``qk_scale = scale * log2(e)``;
     soft-capped (``softcap`` > 0), ``cap_log2 * tanh(scale * q.k / cap)`` with ``cap_log2 = cap * log2(e)`` and
@@ -411,8 +416,7 @@ def _doc_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
     wrap_triton(_attn_fwd_kernel)[(triton.cdiv(s, bm), b * hq)](
         q, k, v, o, lse, starts, *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(o), s, hq, hq // hkv, window,
         *_scales(scale, softcap), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=bm, BLOCK_N=bn,
-        HAS_WINDOW=window > 0, PRECISION=dot_precision(q.dtype), SOFTCAP=softcap > 0.0, num_warps=warps,
-        num_stages=stages)
+        HAS_WINDOW=window > 0, PRECISION=_precision(q), SOFTCAP=softcap > 0.0, num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -446,8 +450,8 @@ def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     wrap_triton(_attn_bwd_kv_kernel)[(triton.cdiv(s, bn), b * hkv * split)](
         q, k, v, do, lse, delta, starts, ends, dkp, dvp, *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(do),
         b * s * hkv * d, *_bhs(dk), s, hq, hkv, hq // hkv, split, window, qk_scale, cap_log2, scale, HEAD_DIM=d,
-        BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_WINDOW=has_window, PRECISION=dot_precision(q.dtype),
-        SOFTCAP=capped, num_warps=warps, num_stages=stages)
+        BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn, HAS_WINDOW=has_window, PRECISION=_precision(q), SOFTCAP=capped,
+        num_warps=warps, num_stages=stages)
     if split > 1:
         n = dk.numel()
         wrap_triton(_attn_sum_parts_kernel)[(triton.cdiv(n, 1024),)](dkp, dvp, dk, dv, n, split, BLOCK=1024,
@@ -456,7 +460,7 @@ def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     wrap_triton(_attn_bwd_q_kernel)[(triton.cdiv(s, bm), b * hq)](
         q, k, v, do, lse, delta, starts, dq, *_bhs(q), *_bhs(k), *_bhs(v), *_bhs(do), *_bhs(dq), s, hq, hq // hkv,
         window, qk_scale, cap_log2, scale, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=bn,
-        HAS_WINDOW=has_window, PRECISION=dot_precision(q.dtype), SOFTCAP=capped, num_warps=warps, num_stages=stages)
+        HAS_WINDOW=has_window, PRECISION=_precision(q), SOFTCAP=capped, num_warps=warps, num_stages=stages)
     return dq, dk, dv
 
 

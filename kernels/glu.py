@@ -37,25 +37,19 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kernels._common import (
-    INTERPRET,
     LIB,
     as_rows,
     check_floating,
     check_same_device,
     compute_dtype,
-    dot_precision,
     n_rows,
     row_block,
     use_triton,
 )
 from kernels.low_rank import (
     LowRank,
-    LowRankTerm,
-    add_low_rank_term,
     check_low_rank,
-    check_low_rank_term,
     dropout_mask,
-    grad_b,
     low_rank_backward,
     low_rank_grad_a,
     low_rank_input_grad,
@@ -129,91 +123,6 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, d_ptr, h_ptr, u_off, du_off, stride_do
     tl.store(d_ptr + du_off + rows * stride_d + cols, (do * a).to(d_ptr.dtype.element_ty), mask=mask)
     if STORE_H:  # glu_linear: the forward output again, for the down projection's weight gradient
         tl.store(h_ptr + rows * stride_h + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    """tl.dot(a, b, acc); PRECISION "upcast": in fp32 (the interpreter multiplies bf16 as its raw bits)."""
-    if PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _term_tiles(acc, z_ptr, stride_z, z_off, bt_ptr, stride_bt, col0, rows, cols, n_rows, n_cols, R,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """(acc + z[rows, z_off:z_off+R] @ bt[:R, col0+cols], that bt tile (BLOCK_K, BLOCK_C)): a low-rank term
-    over one tile, in fp32 (``bt`` holds B.T, (R, columns) row-major: the tile is its contiguous row runs)."""
-    k = tl.arange(0, BLOCK_K)
-    zt = tl.load(z_ptr + rows * stride_z + z_off + k[None, :], mask=(rows < n_rows) & (k[None, :] < R), other=0.0)
-    bt = tl.load(bt_ptr + k[:, None] * stride_bt + col0 + cols, mask=(k[:, None] < R) & (cols < n_cols), other=0.0)
-    return _dot(zt, bt, acc, PRECISION), bt
-
-
-@triton.jit
-def _term_grad_store(d, bt, part_ptr, stride_pr, z_off, rows, n_rows, R, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """Store this tile's share of z's gradient, d (BLOCK_R, BLOCK_C) @ bt.T -> (BLOCK_R, R), at z's columns."""
-    k = tl.arange(0, BLOCK_K)[None, :]
-    dz = _dot(d, tl.trans(bt), None, PRECISION)
-    tl.store(part_ptr + rows * stride_pr + z_off + k, dz, mask=(rows < n_rows) & (k < R))
-
-
-@triton.jit
-def _glu_term_fwd_kernel(x_ptr, o_ptr, z_ptr, bt_ptr, stride_x, stride_o, stride_z, stride_bt, n_rows, n_cols,
-                         zg_off, zu_off, R, ACT: tl.constexpr, HAS_G: tl.constexpr, HAS_U: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    """out = act(g) * u of a packed (rows, 2*n_cols) x whose halves still lack their adapters' term: g gets
-    z[:, zg_off:zg_off+R] @ bt[:, :n_cols] (when HAS_G), u gets z[:, zu_off:zu_off+R] @ bt[:, n_cols:]."""
-    rows, cols, mask = _tile_index(n_rows, n_cols, BLOCK_R, BLOCK_C)
-    g = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + n_cols + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_G:
-        g, _ = _term_tiles(g, z_ptr, stride_z, zg_off, bt_ptr, stride_bt, 0, rows, cols, n_rows, n_cols, R,
-                           BLOCK_K, PRECISION)
-    if HAS_U:
-        u, _ = _term_tiles(u, z_ptr, stride_z, zu_off, bt_ptr, stride_bt, n_cols, rows, cols, n_rows, n_cols, R,
-                           BLOCK_K, PRECISION)
-    a, _ = _activation(g, ACT)
-    tl.store(o_ptr + rows * stride_o + cols, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _glu_term_bwd_kernel(do_ptr, x_ptr, d_ptr, h_ptr, z_ptr, bt_ptr, dzd_ptr, ad_ptr, part_ptr,
-                         stride_do, stride_x, stride_d, stride_h, stride_z, stride_bt, stride_dzd, stride_ad,
-                         stride_pc, stride_pr, n_rows, n_cols, zg_off, zu_off, R, RD, ACT: tl.constexpr,
-                         HAS_G: tl.constexpr, HAS_U: tl.constexpr, HAS_DOWN: tl.constexpr, STORE_H: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_KD: tl.constexpr):
-    """:func:`_glu_bwd_kernel` of a packed x with adapter terms: the gate/up halves' (recomputed as in
-    :func:`_glu_term_fwd_kernel`; this program's share of their z gradient stored in ``part``, one
-    (rows, T*r) fp32 slab per column block) and the down projection's, ``dzd @ ad`` added to ``do``."""
-    rows, cols, mask = _tile_index(n_rows, n_cols, BLOCK_R, BLOCK_C)
-    do = tl.load(do_ptr + rows * stride_do + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_DOWN:
-        do, _ = _term_tiles(do, dzd_ptr, stride_dzd, 0, ad_ptr, stride_ad, 0, rows, cols, n_rows, n_cols, RD,
-                            BLOCK_KD, PRECISION)
-    g = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + n_cols + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_G:
-        g, bt_g = _term_tiles(g, z_ptr, stride_z, zg_off, bt_ptr, stride_bt, 0, rows, cols, n_rows, n_cols, R,
-                              BLOCK_K, PRECISION)
-    if HAS_U:
-        u, bt_u = _term_tiles(u, z_ptr, stride_z, zu_off, bt_ptr, stride_bt, n_cols, rows, cols, n_rows, n_cols,
-                              R, BLOCK_K, PRECISION)
-    a, da = _activation(g, ACT)
-    dg = (do * u * da).to(d_ptr.dtype.element_ty)
-    du = (do * a).to(d_ptr.dtype.element_ty)
-    tl.store(d_ptr + rows * stride_d + cols, dg, mask=mask)
-    tl.store(d_ptr + n_cols + rows * stride_d + cols, du, mask=mask)
-    if STORE_H:
-        tl.store(h_ptr + rows * stride_h + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
-    part_ptr += tl.program_id(1) * stride_pc
-    if HAS_G:
-        _term_grad_store(dg, bt_g, part_ptr, stride_pr, zg_off, rows, n_rows, R, BLOCK_K, PRECISION)
-    if HAS_U:
-        _term_grad_store(du, bt_u, part_ptr, stride_pr, zu_off, rows, n_rows, R, BLOCK_K, PRECISION)
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -317,93 +226,6 @@ def _glu_bwd_recompute(dout: torch.Tensor, x: torch.Tensor, act: int) -> tuple[t
     return _launch_bwd(dout, x, None, act, h), h
 
 
-#: (rows, columns, warps) of the adapter-term kernels' tiles: tl.dot takes 16 rows or more, and a taller tile
-#: shares each (r, columns) tile of B.T it loads among more rows.
-_TERM_TILE = (32, 128, 4)
-
-
-def _k_block(r: int) -> int:
-    """tl.dot's inner size for a rank r: a power of two, 16 or more (the rest masked)."""
-    return max(16, triton.next_power_of_2(max(r, 1)))
-
-
-def _term_precision(dtype: torch.dtype) -> str:
-    """The term kernels' tl.dot precision: :func:`dot_precision`, but fp32 for bf16 under the interpreter."""
-    return "upcast" if INTERPRET and dtype == torch.bfloat16 else dot_precision(dtype)
-
-
-def _term_launch(rows: int, cols: int, r: int, rd: int = 0) -> dict:
-    br, bc, warps = _TERM_TILE
-    return {"grid": (triton.cdiv(rows, br), triton.cdiv(cols, bc)),
-            "meta": {"BLOCK_R": br, "BLOCK_C": bc, "BLOCK_K": _k_block(r), "BLOCK_KD": _k_block(rd),
-                     "num_warps": warps}}
-
-
-def term_halves(term: LowRankTerm, half: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, int] | None:
-    """How the GLU kernels add a packed (..., 2*half) gate+up projection's adapter ``term``: (B.T as one
-    (r, 2*half) matrix in ``dtype``, the first z column of gate's target, of up's; -1 where that half has no
-    target), or None when a target covers anything but exactly one half (then added beforehand in PyTorch)."""
-    t_count = len(term.slices)
-    r = term.z.shape[-1] // t_count
-    offsets = {(0, half): -1, (half, 2 * half): -1}
-    bt = torch.empty(r, 2 * half, dtype=dtype, device=term.z.device)
-    row = 0
-    for t, (s, e) in enumerate(term.slices):
-        if (s, e) not in offsets:
-            return None
-        offsets[(s, e)] = t * r
-        bt[:, s:e] = term.b[row:row + e - s].t()
-        row += e - s
-    return bt, offsets[(0, half)], offsets[(half, 2 * half)]
-
-
-@triton_op(f"{LIB}::glu_term_fwd", mutates_args={})
-def _glu_term_fwd(x: torch.Tensor, z: torch.Tensor, bt: torch.Tensor, zg_off: int, zu_off: int, act: int
-                  ) -> torch.Tensor:
-    """glu of the packed (..., 2*I) ``x`` with its adapters' term added (:func:`term_halves`): (..., I)."""
-    x2 = as_rows(x)
-    rows, cols = x2.shape[0], x2.shape[1] // 2
-    z2 = z.reshape(rows, z.shape[-1])
-    out = torch.empty((*x.shape[:-1], cols), dtype=x.dtype, device=x.device)
-    if out.numel() > 0:
-        tile = _term_launch(rows, cols, bt.shape[0])
-        wrap_triton(_glu_term_fwd_kernel)[tile["grid"]](
-            x2, out, z2, bt, x2.stride(0), cols, z2.stride(0), bt.stride(0), rows, cols, max(zg_off, 0),
-            max(zu_off, 0), bt.shape[0], ACT=act, HAS_G=zg_off >= 0, HAS_U=zu_off >= 0,
-            PRECISION=_term_precision(x.dtype), **tile["meta"])
-    return out
-
-
-@triton_op(f"{LIB}::glu_term_bwd", mutates_args={})
-def _glu_term_bwd(dout: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None, bt: torch.Tensor | None, zg_off: int,
-                  zu_off: int, dzd: torch.Tensor | None, ad: torch.Tensor | None, act: int, store_h: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of glu of a packed ``x`` with adapter terms: the gate/up term of :func:`_glu_term_fwd` (``z``
-    not None) and the down projection's, ``dzd @ ad`` (M, I), added to ``dout`` (``dzd`` not None). Returns
-    (packed (M, 2*I) gradient of x, the activation recomputed (..., I) when ``store_h`` else (0,), z's gradient
-    in z's dtype (or (0,))): z's comes from one fp32 (M, T*r) slab per column block, summed here."""
-    x2, d2 = as_rows(x), as_rows(dout)
-    rows, cols = x2.shape[0], x2.shape[1] // 2
-    buf = torch.empty(rows, 2 * cols, dtype=x.dtype, device=x.device)
-    h = torch.empty((*x.shape[:-1], cols) if store_h else (0,), dtype=x.dtype, device=x.device)
-    r, rd = (bt.shape[0] if bt is not None else 0), (ad.shape[0] if ad is not None else 0)
-    tile = _term_launch(rows, cols, r, rd)
-    width = z.shape[-1] if z is not None else 0
-    part = torch.empty(tile["grid"][1], rows, width, dtype=torch.float32, device=x.device)
-    z2 = z.reshape(rows, width) if z is not None else x2  # placeholders are never read (the flags are off)
-    dzd2 = dzd if dzd is not None else x2
-    if rows * cols > 0:
-        wrap_triton(_glu_term_bwd_kernel)[tile["grid"]](
-            d2, x2, buf, h if store_h else buf, z2, bt if bt is not None else x2, dzd2,
-            ad if ad is not None else x2, part, d2.stride(0), x2.stride(0), buf.stride(0), cols, z2.stride(0),
-            bt.stride(0) if bt is not None else 0, dzd2.stride(0), ad.stride(0) if ad is not None else 0,
-            part.stride(0), width, rows, cols, max(zg_off, 0), max(zu_off, 0), r, rd, ACT=act,
-            HAS_G=z is not None and zg_off >= 0, HAS_U=z is not None and zu_off >= 0, HAS_DOWN=dzd is not None,
-            STORE_H=store_h, PRECISION=_term_precision(x.dtype), **tile["meta"])
-    dz = part.sum(0).to(z.dtype).view(z.shape) if z is not None else x.new_empty(0)
-    return buf, h, dz
-
-
 class GLUFunction(torch.autograd.Function):
     """Autograd wrapper: ``forward(gate, up, act)``, with ``up=None`` meaning ``gate`` is packed (..., 2*I)."""
 
@@ -428,23 +250,14 @@ class GLULinearFunction(torch.autograd.Function):
     """Autograd wrapper of ``glu_linear``: saves the packed gate+up and the weight; the activation
     too when ``keep_activation`` (else the backward kernel writes it again, only when a weight gradient
     needs it). With low-rank adapters on the down projection (``lora_a`` not None, :mod:`kernels.low_rank`)
-    the same activation feeds W and the stacked A, and in backward dW and dA; without their dropout, the
-    backward kernel adds their input gradient ``dz @ A`` to the activation's gradient itself (no (M, I)
-    product for cuBLAS to write and read back as C). With the gate+up projection's adapter term
-    (``term_z`` not None: :class:`kernels.low_rank.LowRankTerm`, its halves as :func:`term_halves`), the
-    GLU kernels add it to their input and compute z's gradient; its B gradient is one GEMM a target.
-    A frozen weight (no gradient asked) gets no dW GEMM."""
+    the same activation feeds W and the stacked A, and in backward dW and dA. A frozen weight (no
+    gradient asked) gets no dW GEMM."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
                 keep_activation: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
-                lora_dropout: float = 0.0, term_z=None, term_b=None, term_slices=None) -> torch.Tensor:
-        halves = None
-        if term_z is None:
-            h = _glu_fwd(x, None, act)
-        else:
-            halves = term_halves(LowRankTerm(term_z, term_b, term_slices), x.shape[-1] // 2, term_z.dtype)
-            h = _glu_term_fwd(x, term_z, halves[0], halves[1], halves[2], act)
+                lora_dropout: float = 0.0) -> torch.Tensor:
+        h = _glu_fwd(x, None, act)
         z = bb = mask = None
         if lora_a is None:
             out = F.linear(h, weight, bias)
@@ -456,10 +269,8 @@ class GLULinearFunction(torch.autograd.Function):
             out = out.view(*h.shape[:-1], weight.shape[0])
             ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         lora = save_low_rank(lora_a, lora_b, z, bb, mask)
-        term = [] if halves is None else [term_z, term_b, halves[0]]
-        ctx.save_for_backward(x, weight, *lora, *term, *([h] if keep_activation else []))
-        ctx.n_lora, ctx.n_term = len(lora), len(term)
-        ctx.term = None if halves is None else (term_slices, halves[1], halves[2])
+        ctx.save_for_backward(x, weight, *lora, *([h] if keep_activation else []))
+        ctx.n_lora = len(lora)
         ctx.act, ctx.has_bias = act, bias is not None
         return out
 
@@ -467,33 +278,19 @@ class GLULinearFunction(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         x, weight, *rest = ctx.saved_tensors
         lora_a, lora_b, z, bb, mask = saved_low_rank(rest[:ctx.n_lora])
-        term_z, term_b, term_bt = (rest[ctx.n_lora:ctx.n_lora + 3] if ctx.n_term else (None, None, None))
-        kept = rest[ctx.n_lora + ctx.n_term] if len(rest) > ctx.n_lora + ctx.n_term else None
+        kept = rest[ctx.n_lora] if len(rest) > ctx.n_lora else None
         needs_w, needs_b = ctx.needs_input_grad[1:3]
         needs_la, needs_lb = ctx.needs_input_grad[5:7]
         d2 = dout.reshape(-1, dout.shape[-1])
-        dla = dlb = dz = None
-        # the down adapters' input gradient goes into the GLU kernel unless dropout masks it
-        fold_down = lora_a is not None and mask is None
+        dla = dlb = None
         if lora_a is None:
             dh = d2 @ weight  # (M, I)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
             dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
-            dh = d2 @ weight if fold_down else low_rank_input_grad(d2, weight, dz, lr, mask)
+            dh = low_rank_input_grad(d2, weight, dz, lr, mask)
         needs_h = needs_w or (lora_a is not None and needs_la)
-        dterm_z = dterm_b = None
-        if term_z is not None or fold_down:
-            _, zg, zu = ctx.term if term_z is not None else (None, -1, -1)
-            dx, h, dterm_z = _glu_term_bwd(dh, x, term_z, term_bt, zg, zu, dz if fold_down else None,
-                                           lora_a.to(dz.dtype) if fold_down else None, ctx.act,
-                                           needs_h and kept is None)
-            h = kept if kept is not None else h
-            if term_z is not None and ctx.needs_input_grad[11]:
-                dterm_b = grad_b(dx, term_z.reshape(-1, term_z.shape[-1]), ctx.term[0], term_b)
-            if term_z is None or not ctx.needs_input_grad[10]:
-                dterm_z = None
-        elif kept is not None or not needs_h:
+        if kept is not None or not needs_h:
             h, dx = kept, _glu_bwd(dh, x, None, ctx.act)
         else:
             dx, h = _glu_bwd_recompute(dh, x, ctx.act)
@@ -503,7 +300,7 @@ class GLULinearFunction(torch.autograd.Function):
             dw = d2.t() @ h2 if needs_w else None
             dla = low_rank_grad_a(dz, h2, lr, mask) if lora_a is not None and needs_la else None
         db = d2.sum(0) if ctx.has_bias and needs_b else None
-        return (dx.view(x.shape), dw, db, None, None, dla, dlb, None, None, None, dterm_z, dterm_b, None)
+        return dx.view(x.shape), dw, db, None, None, dla, dlb, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -539,7 +336,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
 
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                activation: str = "silu", keep_activation: bool = False,
-               low_rank: LowRank | None = None, term: LowRankTerm | None = None) -> torch.Tensor:
+               low_rank: LowRank | None = None) -> torch.Tensor:
     """``F.linear(glu(x), weight, bias)``: the GLU of a packed gate+up tensor followed by the down projection.
 
     The same numbers as :func:`swiglu` / :func:`geglu` then ``F.linear``, with less memory: the
@@ -555,9 +352,6 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         low_rank: LoRA adapters on the down projection (:class:`kernels.low_rank.LowRank`), or None: their
             term of the activation is added (in fp32), with their dropout on their input only; backward
             writes the activation again once for both dW and dA. A frozen weight or bias gets no gradient.
-        term: the adapter term of the projection that made ``x`` (:class:`kernels.low_rank.LowRankTerm`, from
-            ``rms_norm_linear(..., defer_low_rank=True)``), added to ``x`` here: inside the GLU kernels when
-            each target covers one half of x (PEFT's gate_proj / up_proj), else beforehand in PyTorch.
     Returns:
         (..., H) in the input dtype.
     """
@@ -574,18 +368,13 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"glu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "glu_linear")
-    if term is not None:
-        check_low_rank_term(term, x, "glu_linear")
-        if not use_triton(x) or term_halves(term, x.shape[-1] // 2, term.z.dtype) is None:
-            x, term = add_low_rank_term(x, term), None
     if not use_triton(x):
         h = glu_reference(x, None, act)
         out = F.linear(h, weight, bias)
         return out if low_rank is None else low_rank_reference(h, out, low_rank)
     lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
         low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
-    tm = (None, None, None) if term is None else (term.z, term.b, tuple(term.slices))
-    return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation), *lr, *tm)
+    return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation), *lr)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,12 +38,10 @@ import torch.nn.functional as F
 from kernels._common import use_triton
 from kernels.low_rank import (
     LowRank,
-    LowRankTerm,
     check_low_rank,
     dropout_mask,
     low_rank_backward,
     low_rank_grad_a,
-    low_rank_input,
     low_rank_input_grad,
     low_rank_linear,
     low_rank_reference,
@@ -63,23 +61,20 @@ from kernels.rms_norm import (
 
 class RMSNormLinearFunction(torch.autograd.Function):
     """``forward(x, residual, norm_weight, weight, bias, eps, offset, casting, keep_output, lora_a, lora_b,
-    lora_slices, lora_scale, lora_dropout, defer)`` -> (out, [z,] [h]).
+    lora_slices, lora_scale, lora_dropout)`` -> (out, h).
 
-    ``residual`` may be None (first layer: h is x itself and is not returned). Saves h,
+    ``residual`` may be None (first layer: h is x itself and only ``out`` is returned). Saves h,
     the two weights and the per-row rstd; the norm output y too when ``keep_output`` (else backward
     writes it again, only when a weight gradient needs it). With low-rank adapters (``lora_a`` not None,
     :mod:`kernels.low_rank`), the same y feeds W and the stacked A in forward and, written again once,
     dW and dA in backward; the adapters keep only z (M x T*r), their (T*r x N) block matrix and their
-    dropout keep-mask. With ``defer`` the adapters' output side is left to the consumer: ``out`` is the
-    base projection alone and z = scale * dropout(y) @ A.T is returned (and its gradient taken) next to it
-    (:class:`kernels.low_rank.LowRankTerm`); nothing of B is kept here. A frozen ``weight`` (no gradient
-    asked) gets no dW GEMM.
+    dropout keep-mask. A frozen ``weight`` (no gradient asked) gets no dW GEMM.
     """
 
     @staticmethod
     def forward(ctx, x, residual, norm_weight, weight, bias, eps: float, offset: float, casting: int,
                 keep_output: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
-                lora_dropout: float = 0.0, defer: bool = False):
+                lora_dropout: float = 0.0):
         if residual is None:
             y, rstd = _rms_norm_fwd(x, norm_weight, eps, offset, casting)
             h = x
@@ -87,59 +82,45 @@ class RMSNormLinearFunction(torch.autograd.Function):
             y, h, rstd = _fused_add_rms_norm_fwd(x, residual, norm_weight, eps, offset, casting)
         y2 = y.reshape(-1, y.shape[-1])
         z = bb = mask = None
-        defer = defer and lora_a is not None
-        if lora_a is None or defer:
+        if lora_a is None:
             out2 = F.linear(y2, weight, bias)
-        if lora_a is not None:
+        else:
             lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
             mask = dropout_mask(y2, lora_dropout)
-            if defer:
-                z = low_rank_input(y2, lr, mask)
-            else:
-                out2, z, bb = low_rank_linear(y2, weight, bias, lr, mask)
+            out2, z, bb = low_rank_linear(y2, weight, bias, lr, mask)
             ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         # A 2-D GEMM, then an untracked reshape: the output must not be a view (the rotary
         # embedding rotates the q/k/v projection output in place, which autograd forbids on views).
         out = torch.ops.aten._unsafe_view(out2, (*y.shape[:-1], weight.shape[0]))
-        lora = save_low_rank(lora_a, None if defer else lora_b, None if defer else z, bb, mask)
+        lora = save_low_rank(lora_a, lora_b, z, bb, mask)
         ctx.save_for_backward(h, norm_weight, weight, rstd, *lora, *([y] if keep_output else []))
         ctx.n_lora = len(lora)
         ctx.norm = (eps, offset, casting)
-        ctx.has_residual, ctx.defer = residual is not None, defer
-        outs = (out,) + ((torch.ops.aten._unsafe_view(z, (*y.shape[:-1], z.shape[-1])),) if defer else ())
+        ctx.has_residual = residual is not None
         if residual is None:
-            return outs if defer else out
+            return out
         if not torch.compiler.is_compiling():  # as FusedAddRMSNormFunction: an unused h gets no zeros
             ctx.set_materialize_grads(False)
-        return (*outs, h)
+        return out, h
 
     @staticmethod
-    def backward(ctx, dout: torch.Tensor | None, *grads: torch.Tensor | None):
+    def backward(ctx, dout: torch.Tensor | None, dh: torch.Tensor | None = None):
         h, norm_weight, weight, rstd, *rest = ctx.saved_tensors
         lora_a, lora_b, z, bb, mask = saved_low_rank(rest[:ctx.n_lora])
         kept = rest[ctx.n_lora] if len(rest) > ctx.n_lora else None
-        dz_out = grads[0] if ctx.defer else None  # the consumer's gradient of z
-        dh = grads[-1] if ctx.has_residual else None
         eps, offset, casting = ctx.norm
         needs_w, needs_b = ctx.needs_input_grad[3:5]
         needs_la, needs_lb = ctx.needs_input_grad[9:11]
-        if dout is None and dz_out is None:  # only h was used downstream: the projection contributes nothing
-            return (dh, dh) + (None,) * 13
-        if dout is None:
-            dout = torch.zeros(*h.shape[:-1], weight.shape[0], dtype=h.dtype, device=h.device)
+        if dout is None:  # only h was used downstream: the projection contributes nothing
+            return (dh, dh) + (None,) * 12
         d2 = dout.reshape(-1, dout.shape[-1])
-        dw = dla = dlb = dz = None
+        dw = dla = dlb = None
         if lora_a is None:
             dy = dout.matmul(weight)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
-            if ctx.defer:
-                dz = None if dz_out is None else dz_out.reshape(-1, dz_out.shape[-1]).mul(lr.scale)
-            else:
-                dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
-            dy = (d2 @ weight if dz is None else low_rank_input_grad(d2, weight, dz, lr, mask))
-            dy = dy.view(*dout.shape[:-1], weight.shape[1])
-        needs_la = needs_la and dz is not None
+            dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
+            dy = low_rank_input_grad(d2, weight, dz, lr, mask).view(*dout.shape[:-1], weight.shape[1])
         if needs_w or (lora_a is not None and needs_la):
             # the norm output: kept from forward, or written again
             y = kept if kept is not None else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
@@ -151,7 +132,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
         del kept
         dx, dnw = _rms_norm_bwd(dy, dy if dh is None else dh, h, norm_weight, rstd, offset, dh is not None)
         return (dx, (dx if ctx.has_residual else None), dnw, dw, db, None, None, None, None, dla, dlb,
-                None, None, None, None)
+                None, None, None)
 
 
 def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -172,8 +153,7 @@ def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight
 
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
-                    casting: str = "llama", keep_output: bool = False, low_rank: LowRank | None = None,
-                    defer_low_rank: bool = False):
+                    casting: str = "llama", keep_output: bool = False, low_rank: LowRank | None = None):
     """``linear(rms_norm(x + residual), weight, bias)`` without keeping the norm output for backward.
 
     Args:
@@ -186,14 +166,9 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
             term of the norm output is added (in fp32) to the projection's, with their dropout on their
             input only; backward writes the norm output again once for both dW and dA. A weight or bias
             that needs no gradient (frozen) gets none computed.
-        defer_low_rank: return the adapters' output term instead of adding it (for the op that reads the
-            projection to add in its own pass: :func:`kernels.glu_linear`'s ``term``).
     Returns:
         (..., N) projection output; with a residual, ``(out, h)`` where h = x + residual (..., H) is
-        the new residual stream, as :func:`kernels.fused_add_rms_norm` returns it. With ``defer_low_rank``,
-        ``out`` is a pair: the projection without its adapters' term, and that term
-        (:class:`kernels.low_rank.LowRankTerm`; None when there are no adapters or it was added already,
-        as off the Triton path).
+        the new residual stream, as :func:`kernels.fused_add_rms_norm` returns it.
     """
     code = _casting_code(casting)
     _check(x, norm_weight, residual)
@@ -205,16 +180,8 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "rms_norm_linear")
     if not use_triton(x):
-        res = rms_norm_linear_reference(x, norm_weight, weight, bias, residual, eps, offset, casting, low_rank)
-        return res if not defer_low_rank else ((res, None) if residual is None else ((res[0], None), res[1]))
+        return rms_norm_linear_reference(x, norm_weight, weight, bias, residual, eps, offset, casting, low_rank)
     lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
         low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
-    defer = defer_low_rank and low_rank is not None
-    res = RMSNormLinearFunction.apply(x, residual, norm_weight, weight, bias, float(eps), float(offset), code,
-                                      bool(keep_output), *lr, defer)
-    if not defer_low_rank:
-        return res
-    if not defer:
-        return (res, None) if residual is None else ((res[0], None), res[1])
-    term = LowRankTerm(res[1], low_rank.b, tuple(low_rank.slices))
-    return (res[0], term) if residual is None else ((res[0], term), res[2])
+    return RMSNormLinearFunction.apply(x, residual, norm_weight, weight, bias, float(eps), float(offset), code,
+                                       bool(keep_output), *lr)

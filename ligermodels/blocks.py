@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kernels import apply_qk_norm_rope_qkv_, apply_rope_qkv_, fused_add_rms_norm, glu_linear, rms_norm, rms_norm_linear
-from kernels.low_rank import LowRankTerm
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.rope import RopeConfig, inv_freq, rope_cos_sin
@@ -63,16 +62,13 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps, self.offset, self.casting)
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, self.casting)
 
-    def project(self, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None,
-                defer_low_rank: bool = False):
+    def project(self, linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``linear(self(x, residual))`` without keeping the norm output for backward.
 
-        (..., H) -> (..., N); with a residual, ((..., N) projection, (..., H) new residual stream). With
-        ``defer_low_rank`` the projection is a pair: without its LoRA term, and that term (or None) for the
-        consumer to add (:func:`kernels.rms_norm_linear`).
+        (..., H) -> (..., N); with a residual, ((..., N) projection, (..., H) new residual stream).
         """
         return rms_norm_linear(x, self.weight, linear.weight, linear.bias, residual, self.eps, self.offset,
-                               self.casting, self.keep_output, low_rank_of(linear), defer_low_rank)
+                               self.casting, self.keep_output, low_rank_of(linear))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, casting={self.casting}"
@@ -181,11 +177,10 @@ class MLP(nn.Module):
         """(B, S, H) normalised input -> (B, S, H)."""
         return self.glu_down(self.gate_up(x))
 
-    def glu_down(self, gate_up: torch.Tensor, term: LowRankTerm | None = None) -> torch.Tensor:
-        """(B, S, 2*I) packed gate+up projection output -> (B, S, H); ``term``: the gate+up projection's LoRA
-        term, not yet added (``RMSNorm.project(..., defer_low_rank=True)``): the GLU kernels add it."""
+    def glu_down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(B, S, 2*I) packed gate+up projection output -> (B, S, H)."""
         return glu_linear(gate_up, self.down.weight, self.down.bias, self.activation, self.keep_activation,
-                          low_rank_of(self.down), term)
+                          low_rank_of(self.down))
 
 
 class DecoderLayer(nn.Module):
@@ -220,8 +215,8 @@ class DecoderLayer(nn.Module):
         a = self.attn.attend(qkv, cos, sin, mask, cache)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
-        (gate_up, term), residual = self.mlp_norm.project(self.mlp.gate_up, a, residual, defer_low_rank=True)
-        out = self.mlp.glu_down(gate_up, term)
+        gate_up, residual = self.mlp_norm.project(self.mlp.gate_up, a, residual)
+        out = self.mlp.glu_down(gate_up)
         if self.post_mlp_norm is not None:
             out = self.post_mlp_norm(out)
         return out, residual

@@ -97,15 +97,25 @@ def test_rms_norm_linear_low_rank_matches_float64(dtype, frozen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_glu_linear_and_lora_linear_low_rank_match_float64(dtype):
-    i, h, r = 24, 40, 3
-    x = randn(3, 4, 2 * i, dtype=dtype, seed=11).requires_grad_()
+@pytest.mark.parametrize("rows,i,r,keep", [(4, 24, 3, False), (11, 136, 5, True)])
+def test_glu_linear_and_lora_linear_low_rank_match_float64(dtype, rows, i, r, keep, monkeypatch):
+    """The down adapters' input gradient is added inside the GLU backward kernel (no dropout): 12 / 33 rows,
+    I = 24 / 136 and ranks 3 / 5 leave its tiles and its tl.dot partly masked; with and without the kept
+    activation."""
+    import kernels.glu as glu
+
+    launches = []
+    down_launch = glu._down_launch
+    monkeypatch.setattr(glu, "_down_launch", lambda *a: launches.append(a) or down_launch(*a))
+    h = 40
+    x = randn(3, rows, 2 * i, dtype=dtype, seed=11).requires_grad_()
     w = randn(h, i, dtype=dtype, scale=i ** -0.5, seed=12)  # frozen
     lr = _low_rank(i, [(0, h)], r, seed=13)
-    dout = randn(3, 4, h, dtype=dtype, seed=14)
+    dout = randn(3, rows, h, dtype=dtype, seed=14)
     assert_triton_runs(x)
-    out = glu_linear(x, w, None, "silu", low_rank=lr)
+    out = glu_linear(x, w, None, "silu", keep_activation=keep, low_rank=lr)
     out.backward(dout)
+    assert launches == [(3 * rows, i, r)]
     x64, w64, a64, b64 = _d64(x, w, lr.a, lr.b)
     g, u = x64.chunk(2, -1)
     out64 = _reference64(F.silu(g) * u, w64, None, lr._replace(a=a64, b=b64))
@@ -116,7 +126,7 @@ def test_glu_linear_and_lora_linear_low_rank_match_float64(dtype):
         assert rel_err(t.grad, t64.grad) <= bound
 
     # a plain projection (attn.o), two targets
-    xo = randn(3, 4, i, dtype=dtype, seed=15).requires_grad_()
+    xo = randn(3, rows, i, dtype=dtype, seed=15).requires_grad_()
     lr2 = _low_rank(i, [(0, 10), (10, h)], r, seed=16)
     wo = randn(h, i, dtype=dtype, seed=17)
     out = lora_linear(xo, wo, None, lr2)
@@ -127,48 +137,6 @@ def test_glu_linear_and_lora_linear_low_rank_match_float64(dtype):
     assert rel_err(out, out64) <= bound
     for t, t64 in [(xo, xo64), (lr2.a, a64), (lr2.b, b64)]:
         assert rel_err(t.grad, t64.grad) <= bound
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("targets,keep", [("gate+up", False), ("gate", True), ("up", False), ("unaligned", False)])
-def test_gate_up_term_deferred_to_the_glu_kernels_matches_float64(dtype, targets, keep, monkeypatch):
-    """rms_norm_linear(defer_low_rank=True) hands the gate+up adapters' term to glu_linear, whose kernels add it
-    (and take z's gradient) when each target is one half, and whose backward kernel adds the down adapters'
-    input gradient: forward and every gradient against float64. 33 rows, I = 136 and ranks 3 / 5 leave
-    every tile and tl.dot partly masked; "unaligned" (a target on part of a half) is added in PyTorch first."""
-    import kernels.glu as glu
-
-    calls = []
-    fwd = glu._glu_term_fwd
-    monkeypatch.setattr(glu, "_glu_term_fwd", lambda *a: calls.append(1) or fwd(*a))
-    h, i = 40, 136
-    slices = {"gate+up": [(0, i), (i, 2 * i)], "gate": [(0, i)], "up": [(i, 2 * i)], "unaligned": [(8, i)]}[targets]
-    x = randn(3, 11, h, dtype=dtype, seed=41).requires_grad_()
-    res = randn(3, 11, h, dtype=dtype, seed=42).requires_grad_()
-    nw = randn(h, dtype=dtype, scale=0.5, seed=43).requires_grad_()
-    w_gu = randn(2 * i, h, dtype=dtype, scale=h ** -0.5, seed=44)  # frozen
-    w_d = randn(h, i, dtype=dtype, scale=i ** -0.5, seed=45)
-    lr_gu, lr_d = _low_rank(h, slices, 3, seed=46), _low_rank(i, [(0, h)], 5, seed=48)
-    dout, dh = randn(3, 11, h, dtype=dtype, seed=50), randn(3, 11, h, dtype=dtype, seed=51)
-    assert_triton_runs(x)
-    (gu, term), hs = rms_norm_linear(x, nw, w_gu, None, res, low_rank=lr_gu, defer_low_rank=True)
-    assert term is not None and term.z.shape == (3, 11, 3 * len(slices))
-    out = glu_linear(gu, w_d, None, "silu", keep, low_rank=lr_d, term=term)
-    torch.autograd.backward([out, hs], [dout, dh])
-    assert len(calls) == (targets != "unaligned")
-
-    x64, r64, nw64, wgu64, wd64, agu, bgu, ad, bd = _d64(x, res, nw, w_gu, w_d, lr_gu.a, lr_gu.b, lr_d.a, lr_d.b)
-    h64 = x64 + r64
-    y64 = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + 1e-6) * nw64
-    g, u = _reference64(y64, wgu64, None, lr_gu._replace(a=agu, b=bgu)).chunk(2, -1)
-    out64 = _reference64(F.silu(g) * u, wd64, None, lr_d._replace(a=ad, b=bd))
-    torch.autograd.backward([out64, h64], [dout.double(), dh.double()])
-    bound = 1e-5 if dtype == torch.float32 else 1e-2
-    assert rel_err(out, out64) <= bound and out.dtype == dtype
-    for name, t, t64 in [("x", x, x64), ("residual", res, r64), ("norm_weight", nw, nw64), ("gate_up A", lr_gu.a, agu),
-                         ("gate_up B", lr_gu.b, bgu), ("down A", lr_d.a, ad), ("down B", lr_d.b, bd)]:
-        assert rel_err(t.grad, t64.grad) <= bound, f"d{name}: {rel_err(t.grad, t64.grad):.2e}"
-        assert t.grad.dtype == t.dtype
 
 
 def test_low_rank_dropout_applies_to_the_adapter_input_only():
@@ -247,11 +215,12 @@ def test_fused_decoder_equals_unfused_and_base_stays_frozen_in_its_dtype(dtype):
     probe = randn(*h.shape, seed=7)
     grads = torch.autograd.grad((h.float() * probe).sum(), trainable_parameters(model))
     # the reference: the module-by-module path in fp32 on the same weights (bf16 -> fp32 is exact). In bf16 the
-    # fused path rounds differently (the gate+up adapters' term joins the GLU in fp32): no worse than unfused bf16
+    # fused path rounds differently (the down adapters' input gradient joins the GLU's in fp32): no worse than
+    # the module-by-module path in bf16
     ref_model = model if dtype == torch.float32 else copy.deepcopy(model).float()
     h_ref = _unfused_hidden(ref_model, ids)
     grads_ref = torch.autograd.grad((h_ref * probe).sum(), trainable_parameters(ref_model))
-    bound = 1e-5 if dtype == torch.float32 else 3e-2
+    bound = 1e-5 if dtype == torch.float32 else 8e-2  # bf16: a 2-layer stack's rounding reaches ~5% here
     assert rel_err(h, h_ref) <= bound
     for g, g_ref in zip(grads, grads_ref, strict=True):
         assert g.dtype == torch.float32 and rel_err(g, g_ref) <= bound
@@ -270,11 +239,9 @@ def test_keep_flags_give_the_same_numbers_and_frozen_projections_skip_recomputat
     import kernels.norm_linear as nl
 
     calls = {"norm": 0, "glu": 0}
-    fwd, rec, term = nl._rms_norm_fwd, glu._glu_bwd_recompute, glu._glu_term_bwd
+    fwd, rec = nl._rms_norm_fwd, glu._glu_bwd_recompute
     monkeypatch.setattr(nl, "_rms_norm_fwd", lambda *a: calls.__setitem__("norm", calls["norm"] + 1) or fwd(*a))
     monkeypatch.setattr(glu, "_glu_bwd_recompute", lambda *a: calls.__setitem__("glu", calls["glu"] + 1) or rec(*a))
-    # the GLU backward with adapter terms writes the activation again when its last argument (store_h) is set
-    monkeypatch.setattr(glu, "_glu_term_bwd", lambda *a: calls.__setitem__("glu", calls["glu"] + a[-1]) or term(*a))
     model = add_lora(_tiny(), r=2, targets=ALL, dropout=0.0)
     _randomize_b(model)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2)).to(DEVICE)
