@@ -73,7 +73,7 @@ def test_op_compiles_without_graph_break_and_matches_eager(name):
 @pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora"])
 def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_type):
     """The decoder's loss (attention with its SDPA backend choice, every custom op, the loss head) in one graph;
-    "+lora": adapters on all seven projections (the gate+up term inside the GLU kernels), their gradients."""
+    "+lora": adapters on all seven projections (inside the fused norm/GLU/linear Functions), their gradients."""
     from ligermodels.families import config_from_hf, family_of
     from ligermodels.lora import add_lora, lora_modules
 
