@@ -36,8 +36,15 @@ Design (no host-device synchronisation anywhere, forward or backward):
     count, read from device) back into that same buffer; then ``dh[chunk] = dlogits @ W`` and
     ``dW += dlogits.T @ h`` with **fp32 accumulation** (``torch.addmm(..., out_dtype=float32)`` into
     an fp32 (V, H) buffer on CUDA; bf16 accumulation over many chunks is a known divergence cause),
-    ``db += dlogits.sum(0)`` in fp32. Backward only multiplies these by the incoming 0-dim gradient,
-    on the device, in one Triton pass that also casts the fp32 accumulators to the parameter dtype.
+    ``db += dlogits.sum(0)`` in fp32. The forward rounds dW once to a 16-bit weight's dtype (as dh is
+    rounded to the hidden dtype), so backward holds V*H*s bytes, not 4*V*H; backward only multiplies
+    these by the incoming 0-dim gradient, on the device, in one Triton pass that casts to the parameter
+    dtype (a second rounding only where that gradient is not a power of two).
+    The rounding would briefly hold the fp32 accumulator and dW together (6*V*H bytes in bf16): where
+    chunks of H/2 tokens are long enough (``FLCE_SPLIT_MIN_CHUNK``), the accumulator is two row halves and
+    the chunk buffer is cut to half of dW, the first half is cast into that buffer and freed, and dW is
+    allocated where it was: the loss head then peaks at 5*V*H bytes (Gemma's 256000 x 2048 head: 2.6 GB
+    instead of 3.1).
     "none": the upstream gradient is per token, so the forward computes loss and ``lse`` only and
     the backward recomputes the chunk logits and runs the same loop with the per-token gradient.
     Chunk size: the largest C (a multiple of 256 when possible, balanced over the chunks) whose
@@ -99,6 +106,11 @@ CE_ROWS: int | None = None
 FLCE_CHUNK_BUDGET_BYTES: int = int(os.environ.get("LIGERMODELS_FLCE_CHUNK_BYTES", 1 << 30))
 #: When set, forces the FLCE chunk size (tokens per chunk); tests use it to run many chunks on small shapes.
 FLCE_CHUNK_SIZE: int | None = int(os.environ.get("LIGERMODELS_FLCE_CHUNK", 0)) or None
+#: "tokens" with a 16-bit weight: the fp32 dW accumulator is kept as two row halves and the chunk cut to about H/2
+#: tokens, whose buffer then holds half of dW in the weight's dtype (:func:`flce_chunk_plan`), when that chunk is
+#: at least this many tokens: below ~1000 tokens the dW GEMM's fp32 read-modify-write of the accumulator would
+#: outweigh its math (at V*H 8 bytes a chunk against 2*C*V*H flops: C ~ 4 * 670 TFLOPS / 3.2 TB/s on an H100).
+FLCE_SPLIT_MIN_CHUNK: int = int(os.environ.get("LIGERMODELS_FLCE_SPLIT_MIN_CHUNK", 1024))
 #: Bytes the "vocab" FLCE (N, Vc) window buffer may take; the window Vc follows from it (and N, dtype).
 FLCE_VOCAB_BUDGET_BYTES: int = int(os.environ.get("LIGERMODELS_FLCE_VOCAB_BYTES", 256 << 20))
 #: When set, forces the "vocab" FLCE window (vocabulary columns per window); tests use it to run many windows.
@@ -381,7 +393,10 @@ class ChunkPlan(NamedTuple):
     * "tokens": chunks of ``chunk_size`` tokens. The (C, V) logits/dlogits chunk buffer, per-token
       fp32 loss and lse (8*N), the fp32 weight- and bias-gradient accumulators (``accum_bytes`` =
       4*V*H + 4*V, independent of N), and, for "mean"/"sum", the hidden gradient computed in the
-      forward and held until backward scales it into a fresh tensor (N*H*s).
+      forward and held until backward scales it into a fresh tensor (N*H*s). The weight gradient is
+      returned in a 16-bit weight's dtype (V*H*s, a final gradient: not counted); with ``split`` the chunk
+      buffer (``chunk_bytes``) is at least half of it, and the first half of the accumulator is cast into
+      the buffer and freed before it is allocated, so casting it costs nothing beyond the loop's peak.
     * "vocab": windows of ``chunk_size`` vocabulary columns. The (N, Vc) logits/dlogits window
       buffer, per-token fp32 vectors (24*N: loss, lse and the 4 running-state vectors of the
       forward), and ``accum_bytes``: the fp32 (N, H) hidden-gradient accumulator (4*N*H; none
@@ -397,6 +412,7 @@ class ChunkPlan(NamedTuple):
     per_token_bytes: int
     extra_bytes: int
     strategy: str = "tokens"
+    split: bool = False  #: "tokens": the dW accumulator in two halves, the first cast into the chunk buffer
 
 
 def _round_chunk(c: int) -> int:
@@ -458,18 +474,25 @@ def flce_chunk_plan(n_tokens: int, hidden_size: int, vocab_size: int, dtype: tor
         extra = chunk_bytes + per_token + (accum if any_grad else 0)
         return ChunkPlan(c, n_chunks, chunk_bytes, accum if any_grad else 0, 0, per_token, extra, strategy)
     forced = chunk_size if chunk_size is not None else FLCE_CHUNK_SIZE
+    budget = FLCE_CHUNK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+    c_max = _round_chunk(max(budget // max(v * s, 1), 1))
+    # the split: chunks of about H/2 tokens, whose buffer holds half of dW in the weight's dtype
+    half = _round_chunk(max((h + 1) // 2, 1))
+    split = grad_weight and s < 4 and half >= FLCE_SPLIT_MIN_CHUNK and (half < c_max or forced is not None)
     if forced is not None:
         c = max(1, min(int(forced), max(n, 1)))
     else:
-        budget = FLCE_CHUNK_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
-        c = _balanced(n, _round_chunk(max(budget // max(v * s, 1), 1)), 256)
+        c = _balanced(n, min(c_max, half) if split else c_max, 256)
     n_chunks = triton.cdiv(n, c) if n > 0 else 0
     chunk_bytes = min(c, n) * v * s if n > 0 else 0
+    if split and n > 0:
+        chunk_bytes = max(chunk_bytes, (v + 1) // 2 * h * s)
     accum = (4 * v * h if grad_weight else 0) + (4 * v if bias else 0)
     held = n * h * s if (grad_hidden and reduction != "none") else 0
     per_token = 8 * n
     extra = chunk_bytes + per_token + (accum + held if any_grad else 0)
-    return ChunkPlan(c, n_chunks, chunk_bytes, accum if any_grad else 0, held if any_grad else 0, per_token, extra)
+    return ChunkPlan(c, n_chunks, chunk_bytes, accum if any_grad else 0, held if any_grad else 0, per_token, extra,
+                     split=split)
 
 
 # -------------------------------------------------------------------------------- FLCE chunk loop
@@ -509,7 +532,9 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     ``g``: 0-dim (the 1/count scale) or (N,) per-token upstream gradient; ``lse_in``: per-token lse when
     recomputing in backward (skips the loss pass), else None. Returns (loss (N,) fp32, lse (N,) fp32,
-    dh (N, H) hidden dtype, dW (V, H) fp32, db (V,) fp32), with (0,) placeholders for what is not asked.
+    dh (N, H) hidden dtype, dW (V, H) in :func:`_dw_dtype`, db (V,) fp32), with (0,) placeholders for what
+    is not asked. dW accumulates in fp32 and is rounded once, here; with the plan's ``split`` its fp32 rows sit
+    in two halves, and the first is cast into the chunk buffer and freed before dW is allocated (module docstring).
     """
     n, h_size = hidden.shape
     v = weight.shape[0]
@@ -521,12 +546,16 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     loss = torch.empty(n if fwd else 0, **f32)
     lse = torch.empty(n, **f32) if fwd else lse_in
     dh = torch.empty((n, h_size) if want_h else (0,), dtype=dt, device=dev)
-    dw = torch.empty((v, h_size) if want_w else (0,), **f32)  # the first chunk overwrites it (beta = 0)
     db = torch.zeros(v if want_b else 0, **f32)
     if n == 0:
-        return loss, lse, dh, dw.zero_(), db
-    c = flce_chunk_plan(n, h_size, v, dt).chunk_size
-    buf = torch.empty(min(c, n), v, dtype=dt, device=dev)
+        return loss, lse, dh, torch.zeros((v, h_size) if want_w else (0,), dtype=_dw_dtype(weight), device=dev), db
+    plan = flce_chunk_plan(n, h_size, v, dt, grad_weight=want_w)
+    c, split = plan.chunk_size, plan.split and weight.dtype == dt
+    va = (v + 1) // 2 if split else v  # the accumulator's first part: rows [0, va)
+    # fp32 accumulators, overwritten by the first chunk (beta = 0)
+    acc = [torch.empty((va, h_size), **f32), torch.empty((v - va, h_size), **f32)] if want_w else []
+    store = torch.empty(plan.chunk_bytes // dt.itemsize if split else min(c, n) * v, dtype=dt, device=dev)
+    buf = store[:min(c, n) * v].view(min(c, n), v)
     wt = weight.t()
     per_token_g = g.dim() == 1
     stride_g = g.stride(0) if per_token_g else 0
@@ -542,10 +571,30 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         if want_h:
             torch.mm(logits, weight, out=dh[s:e])
         if want_w:
-            _accumulate_fp32(dw, logits.t(), hc, beta=0.0 if s == 0 else 1.0)
+            lt = logits.t()
+            _accumulate_fp32(acc[0], lt[:va], hc, beta=0.0 if s == 0 else 1.0)
+            if va < v:
+                _accumulate_fp32(acc[1], lt[va:], hc, beta=0.0 if s == 0 else 1.0)
         if want_b:
             db += logits.sum(0, dtype=torch.float32)
+    del buf, hc, logits
+    if not want_w:
+        return loss, lse, dh, torch.empty(0, dtype=_dw_dtype(weight), device=dev), db
+    if not split:
+        del store
+        return loss, lse, dh, (acc[0] if acc[0].dtype == _dw_dtype(weight) else acc[0].to(_dw_dtype(weight))), db
+    first = store[:va * h_size].view(va, h_size)
+    first.copy_(acc.pop(0))  # rounded once, into the chunk buffer; its fp32 rows are freed here
+    dw = torch.empty((v, h_size), dtype=weight.dtype, device=dev)  # where they were
+    dw[:va].copy_(first)
+    dw[va:].copy_(acc.pop())
     return loss, lse, dh, dw, db
+
+
+def _dw_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype the FLCE loop returns the weight gradient in: a 16-bit weight's own (rounded once from the
+    fp32 accumulator, in forward for "mean"/"sum": backward then holds half the bytes), else fp32."""
+    return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def _placeholder_outputs(hidden, weight, target, lse_given, want_h, want_w, want_b):
@@ -554,7 +603,8 @@ def _placeholder_outputs(hidden, weight, target, lse_given, want_h, want_w, want
     f32 = dict(dtype=torch.float32, device=hidden.device)
     return (hidden.new_empty(n if not lse_given else 0, **f32), hidden.new_empty(n, **f32),
             hidden.new_empty((n, h_size) if want_h else (0,)),
-            hidden.new_empty((v, h_size) if want_w else (0,), **f32), hidden.new_empty(v if want_b else 0, **f32))
+            hidden.new_empty((v, h_size) if want_w else (0,), dtype=_dw_dtype(weight)),
+            hidden.new_empty(v if want_b else 0, **f32))
 
 
 @torch.library.custom_op(f"{LIB}::flce_fwd", mutates_args=())
@@ -562,7 +612,7 @@ def _flce_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
               scale: torch.Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float,
               softcap: float, want_h: bool, want_w: bool, want_b: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FLCE forward: (loss (N,), lse (N,), dh, dW fp32, db fp32); gradients of sum_i scale * loss_i."""
+    """FLCE forward: (loss (N,), lse (N,), dh, dW (:func:`_dw_dtype`), db fp32); gradients of sum_i scale * loss_i."""
     return _flce_loop(hidden, weight, bias, target, scale, None, ignore_index, label_smoothing, lse_square_scale,
                       softcap, want_h, want_w, want_b)
 

@@ -396,6 +396,22 @@ def test_flce_chunk_size_does_not_change_the_result(monkeypatch):
         assert rel_err(a, c) <= 1e-6
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flce_split_weight_gradient_matches_float64(dtype, reduction, monkeypatch):
+    """"tokens" with a 16-bit weight and the split accumulator (two fp32 row halves, the first cast into the chunk
+    buffer before dW is allocated): an odd vocabulary (unequal halves), several chunks, bias, forward and every
+    gradient against float64; the gradient comes back in the weight's dtype."""
+    monkeypatch.setattr(ce, "FLCE_SPLIT_MIN_CHUNK", 1)
+    v = 1001
+    plan = flce_chunk_plan(N_TOKENS, HIDDEN, v, dtype)
+    assert plan.split and plan.n_chunks > 1 and plan.chunk_bytes >= (v + 1) // 2 * HIDDEN * 2
+    hidden, weight, b = _flce_case(dtype, v, True, seed=75)
+    target = _targets(N_TOKENS, v, True, seed=76)
+    assert_triton_runs(hidden)
+    _check_flce(dtype, hidden, weight, b, target, _upstream(reduction, N_TOKENS), reduction=reduction)
+
+
 def test_flce_vocab_window_does_not_change_the_result(monkeypatch):
     """"vocab" with windows of 40 columns (25 windows), 256, and one window of all V = 1000 columns; and
     "tokens" against them."""
@@ -458,6 +474,13 @@ def test_chunk_plan_bounds_memory_independently_of_tokens(monkeypatch):
     assert small.chunk_size == 100 and small.n_chunks == 1
     assert flce_chunk_plan(16384, 4096, 128256, torch.bfloat16).chunk_bytes <= gib
     assert flce_chunk_plan(100, 16, 1000, chunk_size=16).n_chunks == 7
+    # Gemma's 256000 x 2048 head: the split accumulator, chunks of H/2 = 1024 tokens whose buffer holds half of dW,
+    # so the loss head peaks at 4VH + VH bytes (fp32 halves + the buffer), not 4VH + 2VH (+ the bf16 dW at its cast)
+    gemma = flce_chunk_plan(8192, 2048, 256000, torch.bfloat16)
+    assert gemma.split and gemma.chunk_size == 1024 and gemma.chunk_bytes == 128000 * 2048 * 2
+    assert not flce_chunk_plan(8192, 1536, 151936, torch.bfloat16).split  # H/2 = 768 tokens: too short a chunk
+    assert not flce_chunk_plan(8192, 2048, 256000, torch.float32).split  # fp32: dW is the accumulator itself
+    assert not flce_chunk_plan(8192, 2048, 256000, torch.bfloat16, grad_weight=False).split
 
 
 def test_vocab_plan_has_no_weight_sized_accumulator(monkeypatch):
