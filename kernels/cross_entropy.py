@@ -570,14 +570,13 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                    g[s:e] if per_token_g else g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd)
         if want_h:
             torch.mm(logits, weight, out=dh[s:e])
-        if want_w:
-            lt = logits.t()
-            _accumulate_fp32(acc[0], lt[:va], hc, beta=0.0 if s == 0 else 1.0)
+        if want_w:  # (no name is kept for logits.t(): a view of the chunk buffer would keep it alive below)
+            _accumulate_fp32(acc[0], logits.t()[:va], hc, beta=0.0 if s == 0 else 1.0)
             if va < v:
-                _accumulate_fp32(acc[1], lt[va:], hc, beta=0.0 if s == 0 else 1.0)
+                _accumulate_fp32(acc[1], logits.t()[va:], hc, beta=0.0 if s == 0 else 1.0)
         if want_b:
             db += logits.sum(0, dtype=torch.float32)
-    del buf, hc, logits
+    del buf, hc, logits  # the chunk buffer is freed here, unless the split keeps it for dW's first half
     if not want_w:
         return loss, lse, dh, torch.empty(0, dtype=_dw_dtype(weight), device=dev), db
     if not split:

@@ -412,6 +412,37 @@ def test_flce_split_weight_gradient_matches_float64(dtype, reduction, monkeypatc
     _check_flce(dtype, hidden, weight, b, target, _upstream(reduction, N_TOKENS), reduction=reduction)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures CUDA memory")
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_flce_forward_peak_is_the_plans_and_frees_its_chunk_buffer(split, monkeypatch):
+    """"tokens", bf16, "mean": the forward's peak above its inputs is the plan's loop (chunk buffer + fp32
+    accumulators + held dh) or, unsplit, the accumulator next to dW at its cast, never the chunk buffer as well
+    (a lingering view of it once kept it alive there); afterwards only dW, dh and the per-token vectors remain."""
+    monkeypatch.setattr(ce, "FLCE_SPLIT_MIN_CHUNK", 256 if split else 1 << 30)
+    monkeypatch.setattr(ce, "FLCE_CHUNK_SIZE", None)  # the planned chunk: 4096 tokens whole, 512 split
+    n, h, v = 4096, 1024, 50000
+    slack = 64 << 20  # cuBLAS workspaces and the loss kernel's small buffers, against a 620 / 260 MB plan
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, v, (n,), device="cuda")
+    plan = flce_chunk_plan(n, h, v, torch.bfloat16)
+    assert plan.split == split
+    dw_bytes = v * h * 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = fused_linear_cross_entropy(hidden, weight, target)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    loop = plan.chunk_bytes + plan.accum_bytes + plan.held_grad_hidden_bytes + plan.per_token_bytes
+    cast = plan.accum_bytes + dw_bytes + plan.held_grad_hidden_bytes + plan.per_token_bytes
+    assert peak <= (loop if split else max(loop, cast)) + slack, (peak, loop, cast)
+    kept = torch.cuda.memory_allocated() - base
+    assert kept <= dw_bytes + plan.held_grad_hidden_bytes + plan.per_token_bytes + slack, kept
+    loss.backward()
+    assert weight.grad.dtype == torch.bfloat16
+
+
 def test_flce_vocab_window_does_not_change_the_result(monkeypatch):
     """"vocab" with windows of 40 columns (25 windows), 256, and one window of all V = 1000 columns; and
     "tokens" against them."""
