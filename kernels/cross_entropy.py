@@ -576,7 +576,7 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                 _accumulate_fp32(acc[1], logits.t()[va:], hc, beta=0.0 if s == 0 else 1.0)
         if want_b:
             db += logits.sum(0, dtype=torch.float32)
-    del buf, hc, logits  # the chunk buffer is freed here, unless the split keeps it for dW's first half
+    del buf, hc, logits  # only `store` holds the chunk buffer now: freed below, or kept for dW's first half
     if not want_w:
         return loss, lse, dh, torch.empty(0, dtype=_dw_dtype(weight), device=dev), db
     if not split:
