@@ -554,7 +554,7 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     va = (v + 1) // 2 if split else v  # the accumulator's first part: rows [0, va)
     # fp32 accumulators, overwritten by the first chunk (beta = 0)
     acc = [torch.empty((va, h_size), **f32), torch.empty((v - va, h_size), **f32)] if want_w else []
-    store = torch.empty(plan.chunk_bytes // dt.itemsize if split else min(c, n) * v, dtype=dt, device=dev)
+    store = torch.empty(plan.chunk_bytes // dt.itemsize, dtype=dt, device=dev)  # split: at least half of dW
     buf = store[:min(c, n) * v].view(min(c, n), v)
     wt = weight.t()
     per_token_g = g.dim() == 1

@@ -655,8 +655,8 @@ def build_optimizer(model: CausalLM, args: argparse.Namespace, world: int) -> Ad
 #: ``--loss-strategy auto`` takes "vocab" where the "tokens" strategy's fp32 (V, H) weight-gradient buffer would
 #: take at least this share of the device's memory, else "tokens". The buffer lives through the loss head's forward,
 #: where every layer's activations are alive (dW is then held in bf16 until backward); "vocab" costs one more head
-#: GEMM instead. Measured
-#: on an H100 (benchmarks/results/experiments/train-NVIDIA_H100_80GB_HBM3-2026-11-26-strat.json): Gemma-2-2B b4,
+#: GEMM instead. Measured on an H100 (benchmarks/results/experiments/train-NVIDIA_H100_80GB_HBM3-2026-11-26-strat.json),
+#: before the split accumulator of kernels.cross_entropy (FLCE_SPLIT_MIN_CHUNK): Gemma-2-2B b4,
 #: whose buffer is 2.2 GiB (256000 x 2304), ran 288.5 ms a step with "vocab" and 277.3 with "tokens" (3.9% faster)
 #: for 1.8 GB more at the peak (47.8 -> 49.6 GB). At 1/32 an 80 GB GPU keeps "tokens" up to a 2.5 GiB buffer
 #: (Gemma's 256k vocabulary at hidden 2048-2304, Llama-3-8B's 128k x 4096: 1.96 GiB), a 24 GB one up to 0.7 GiB.
