@@ -2,7 +2,8 @@
 MODELS) describe the same model to ligermodels and to transformers, the flop count, the transformers attention
 each family needs, the eager baselines of the rope-variant kernel cases compute what our ops compute, the attention
 benchmark's rows at a soft-capped shape, and the README's tables read the newest results file by its recorded date
-and show the transformers attention used."""
+and show the transformers attention used, and the one-pass LoRA gradient prototype that bench_lora_paths times
+computes what it is timed as."""
 
 from __future__ import annotations
 
@@ -184,3 +185,23 @@ def test_report_names_a_baselines_attention_when_it_is_not_sdpa():
     """Gemma 2's transformers rows say they attend eagerly, in the end-to-end and the training tables."""
     assert report._e2e_variant({"variant": "compile", "hf_attention": "eager"}) == "compile, eager attention"
     assert report._e2e_variant({"variant": "eager"}) == "eager"
+
+
+# ------------------------------------------------------------------------------------ LoRA paths
+def test_lora_paths_one_pass_prototype_computes_dz_and_db():
+    """The one-pass LoRA gradient prototype that bench_lora_paths times against cuBLAS computes what it is timed
+    as: dz = scale * d2 @ bb.T and dbb = z.T @ d2 (float64 reference), with partials over several row blocks and
+    column groups, odd sizes and a padded rank (48 -> 64)."""
+    from benchmarks.bench_lora_paths import onepass_dz_dbb
+
+    g = torch.Generator().manual_seed(0)
+    m, n, tr = 101, 203, 48
+    d2 = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    z = torch.randn(m, tr, generator=g).to(torch.bfloat16)
+    bb = (torch.randn(tr, n, generator=g) * 0.05).to(torch.bfloat16)
+    dz, dbb = onepass_dz_dbb(d2, z, bb, 2.0, bm=32, bn=32, row_tiles=2, col_tiles=2)
+    dz_ref = 2.0 * d2.double() @ bb.double().t()
+    dbb_ref = z.double().t() @ d2.double()
+    assert dz.dtype == torch.bfloat16 and dz.shape == (m, tr) and dbb.shape == (tr, n)
+    assert (dz.double() - dz_ref).norm() / dz_ref.norm() < 8e-3
+    assert (dbb.double() - dbb_ref).norm() / dbb_ref.norm() < 1e-5
