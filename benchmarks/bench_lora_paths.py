@@ -8,14 +8,14 @@ attention kernels around them left out):
 * ``base``: the frozen projection alone (forward GEMM and input-gradient GEMM): the floor LoRA adds to.
 * ``committed``: :mod:`kernels.low_rank` as the model runs it (fp32 A/B masters; the low-rank term written by
   one GEMM and read back as the base GEMM's C operand; backward dz, dB, the (M, K) part dz @ A as C, dA).
-* ``packed``: the base weight stored in an (N + Tr, K + Tr) buffer whose pad columns hold ``scale * B`` and
-  pad rows ``A`` (bf16), so forward is one GEMM over ``[x | x @ A.T]`` (K + Tr), and backward either takes dz
-  from the input-gradient GEMM's extra columns (``cols``: ``[dx | dz] = d2 @ buf[:N]``, then ``dx += dz @ A``)
-  or folds ``dz @ A`` into it (``rows``: ``[d2 | dz] @ buf[:, :K]``); the better of the two per projection.
+* ``packed-cols`` / ``packed-rows``: the base weight stored in an (N + Tr, K + Tr) buffer whose pad columns
+  hold ``scale * B`` and pad rows ``A`` (bf16), so forward is one GEMM over ``[x | x @ A.T]`` (K + Tr), and
+  backward either takes dz from the input-gradient GEMM's extra columns (``cols``: ``[dx | dz] = d2 @ buf[:N]``,
+  then ``dx += dz @ A``) or folds ``dz @ A`` into it (``rows``: ``[d2 | dz] @ buf[:, :K]``).
 * ``onepass``: dz and dB from one pass over the output gradient (a Triton prototype below: fp32 partials
   per row block and column group, summed after) instead of cuBLAS's two skinny GEMMs.
 * ``side``: the committed backward with the weight gradients (dB, dA: off the critical path) on a side
-  stream beside the input-gradient GEMM, with cuBLAS's GEMMs given all SMs or all but ``carveout``.
+  stream beside the input-gradient GEMM; ``side-carveout8``: the same with cuBLAS limited to all SMs but 8.
 
 Wall time (median, ``triton.testing.do_bench``), two rounds over all variants: at these sizes the GPU's
 clock under load moves timings by a few percent, which the second round shows. Writes
