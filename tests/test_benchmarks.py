@@ -194,11 +194,12 @@ def test_lora_paths_one_pass_prototype_computes_dz_and_db():
     column groups, odd sizes and a padded rank (48 -> 64)."""
     from benchmarks.bench_lora_paths import onepass_dz_dbb
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU
     g = torch.Generator().manual_seed(0)
     m, n, tr = 101, 203, 48
-    d2 = torch.randn(m, n, generator=g).to(torch.bfloat16)
-    z = torch.randn(m, tr, generator=g).to(torch.bfloat16)
-    bb = (torch.randn(tr, n, generator=g) * 0.05).to(torch.bfloat16)
+    d2 = torch.randn(m, n, generator=g).to(dev, torch.bfloat16)
+    z = torch.randn(m, tr, generator=g).to(dev, torch.bfloat16)
+    bb = (torch.randn(tr, n, generator=g) * 0.05).to(dev, torch.bfloat16)
     dz, dbb = onepass_dz_dbb(d2, z, bb, 2.0, bm=32, bn=32, row_tiles=2, col_tiles=2)
     dz_ref = 2.0 * d2.double() @ bb.double().t()
     dbb_ref = z.double().t() @ d2.double()
