@@ -99,17 +99,16 @@ def projection_case(m: int, k: int, parts: list[int], r: int, side: torch.cuda.S
         if carveout is None:
             dz, db = low_rank_backward(d2, lr, z, bb, True)
             return low_rank_input_grad(d2, w, dz, lr, None), db, low_rank_grad_a(dz, x, lr, None)
-        dz = (d2 @ bb.t()).mul_(scale)
-        dbb = torch.empty(bb.shape, device=dev, dtype=bf)
+        dz, _ = low_rank_backward(d2, lr, z, bb, False)
+        dbb = torch.empty(bb.shape, device=dev, dtype=bf)  # allocated on the main stream, written on the side
         da = torch.empty(lr.a.shape, device=dev, dtype=bf)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             torch.mm(z.t(), d2, out=dbb)
             torch.mm(dz.t(), x, out=da)
-        part = dz @ lr.a.to(bf)
         if carveout:
             torch._C._set_sm_carveout_experimental(carveout)
-        dx = part.addmm_(d2, w)
+        dx = low_rank_input_grad(d2, w, dz, lr, None)
         if carveout:
             torch._C._set_sm_carveout_experimental(None)
         torch.cuda.current_stream().wait_stream(side)
@@ -143,11 +142,15 @@ def projection_case(m: int, k: int, parts: list[int], r: int, side: torch.cuda.S
         dz, dbb = onepass_dz_dbb(d2, z, bb, scale)
         return low_rank_input_grad(d2, w, dz, lr, None), dbb, low_rank_grad_a(dz, x, lr, None)
 
-    # the variants agree with the committed path
-    ref_fwd = low_rank_linear(x, w, None, lr, None)[0].float()
-    errs = {"packed_fwd": ((packed_fwd().float() - ref_fwd).norm() / ref_fwd.norm()).item()}
-    dz_ref = low_rank_backward(d2, lr, z, bb, False)[0].float()
-    errs["onepass_dz"] = ((onepass_dz_dbb(d2, z, bb, scale)[0].float() - dz_ref).norm() / dz_ref.norm()).item()
+    def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+        return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+    # the variants agree with the committed path: forward output, input gradient, dz
+    dx_ref = committed_bwd()[0]
+    errs = {"packed_fwd": rel(packed_fwd(), low_rank_linear(x, w, None, lr, None)[0]),
+            "packed_cols_dx": rel(packed_bwd_cols()[0], dx_ref), "packed_rows_dx": rel(packed_bwd_rows()[0], dx_ref),
+            "side_dx": rel(committed_bwd(8)[0], dx_ref),
+            "onepass_dz": rel(onepass_dz_dbb(d2, z, bb, scale)[0], low_rank_backward(d2, lr, z, bb, False)[0])}
     return {"errors": errs, "variants": {
         "base": (lambda: F.linear(x, w), lambda: d2 @ w),
         "committed": (lambda: low_rank_linear(x, w, None, lr, None), committed_bwd),
