@@ -1,4 +1,4 @@
-"""Attention within packed documents, per layer, against plain causal attention over whole rows (issue 18).
+"""Attention within packed documents, per layer, against plain causal attention over whole rows.
 
 At each training shape of ``benchmarks.bench_train`` (batch x 2048 tokens, the model's heads), rows are
 packed from documents of 200-3000 tokens as ``bench_train``'s data (plus BOS and EOS), cut at row ends;
@@ -57,7 +57,7 @@ SEQ = 2048
 
 def packed_positions(batch: int, seq: int, low: int = 202, high: int = 3002, seed: int = 0) -> torch.Tensor:
     """(batch, seq) positions of documents of ``low..high`` tokens packed end to end and cut at row ends;
-    every row starts a (possibly continued) document at position 0, as ``ligermodels.data.PackedRows``."""
+    every row starts a (possibly continued) document at position 0, as ``ligermodels.train.data.PackedRows``."""
     rng = random.Random(seed)
     starts: list[bool] = []
     while len(starts) < batch * seq:
@@ -188,7 +188,7 @@ def run_shape(name: str, flex_options: list[dict], check: bool, triton_configs: 
         else:
             os.environ.pop("LIGERMODELS_DOC_ATTENTION_CONFIG", None)
         attention.FLEX_KERNEL_OPTIONS = {**defaults, d: opts} if opts and masked == "flex" else defaults
-        attention._compiled_flex = None  # a fresh compile per option set
+        attention.reset_flex_compile()  # a fresh compile per option set
         row = {"shape": name, "impl": impl, "batch": b, "seq": SEQ, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
                "softcap": softcap, "documents": len(lengths), "mean_document": round(sum(lengths) / len(lengths), 1)}
         pairs = pairs_doc if documents_on else pairs_row
@@ -214,7 +214,8 @@ def run_shape(name: str, flex_options: list[dict], check: bool, triton_configs: 
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), flush=True)
         rows.append(row)
-    attention.MASKED_ATTENTION, attention.FLEX_KERNEL_OPTIONS, attention._compiled_flex = masked_default, defaults, None
+    attention.MASKED_ATTENTION, attention.FLEX_KERNEL_OPTIONS = masked_default, defaults
+    attention.reset_flex_compile()
     attention.SOFTCAP_ATTENTION = softcap_default
     attention.TRITON_HEAD_DIMS = head_dims
     os.environ.pop("LIGERMODELS_DOC_ATTENTION_CONFIG", None)

@@ -1,5 +1,5 @@
 """End-to-end training-step benchmark: ligermodels against transformers eager, transformers + Liger-Kernel
-and transformers under ``torch.compile``, on the same model shape and GPU (issue 6).
+and transformers under ``torch.compile``, on the same model shape and GPU.
 
 One step = forward + backward + fused AdamW step (torch's ``fused=True`` for the transformers impls, our
 Triton ``kernels.AdamW`` for ligermodels; ``ligermodels+graph``: the same step captured once as
@@ -141,7 +141,7 @@ def step_flops(model: str, batch: int, seq: int) -> float:
 def base_row(impl: str, model: str, batch: int, seq: int, ac: bool) -> dict:
     """The identifying fields of a result row. ``ligermodels+compile`` is impl "ligermodels", variant "compile"
     (our model under ``torch.compile``); ``ligermodels+graph`` is variant "graph" (the whole step replayed
-    from a CUDA graph, :class:`ligermodels.cuda_graph.CUDAGraphStep`); ``ligermodels+master`` is variant
+    from a CUDA graph, :class:`ligermodels.train.cuda_graph.CUDAGraphStep`); ``ligermodels+master`` is variant
     "master" (fp32 master weights in the optimiser, bf16 parameters: the precision of ligermodels.train);
     the transformers impls keep the issue's names."""
     variant = impl.split("+", 1)[1] if impl.startswith("ligermodels+") or impl.endswith("+compile") else "eager"
@@ -163,7 +163,7 @@ def build(impl: str, model: str, activation_checkpointing: bool):
         if impl != "ligermodels+master":
             m = m.to(torch.bfloat16)
         if activation_checkpointing:
-            from ligermodels.train import apply_activation_checkpointing
+            from ligermodels.train.parallelize import apply_activation_checkpointing
 
             apply_activation_checkpointing(m, "full")
         m.train()
@@ -231,7 +231,7 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
         return loss
 
     if graph:
-        from ligermodels.cuda_graph import CUDAGraphStep
+        from ligermodels.train.cuda_graph import CUDAGraphStep
 
         step = functools.partial(CUDAGraphStep(fn, opt, ids, ids), ids, ids)
 

@@ -1,9 +1,9 @@
-"""FSDP2 scaling of the training loop (issue 5): a Qwen2-1.5B-shaped model fine-tuned on 1 and on 2 GPUs.
+"""FSDP2 scaling of the training loop: a Qwen2-1.5B-shaped model fine-tuned on 1 and on 2 GPUs.
 
 Each process count runs ``torchrun --standalone --nproc-per-node N -m ligermodels.train`` on the same
 inputs, made here with no download: ``WORK/model`` (a Qwen2-1.5B ``config.json`` for ``--from-scratch``
 plus a word-level ``tokenizer.json`` whose vocabulary fills the model's 151936 ids) and
-``WORK/data.jsonl`` (documents of random words, packed by ``ligermodels.data`` into full rows, enough
+``WORK/data.jsonl`` (documents of random words, packed by ``ligermodels.train.data`` into full rows, enough
 for every step without repeating a token). bf16 compute with fp32 master weights, fp32 gradient
 reduction, AdamW (fused), no checkpoints (``--save-every 0``); the per-rank micro-batch, sequence length
 and gradient accumulation are the same for every N, so N GPUs train on N times the tokens per step
@@ -14,11 +14,11 @@ From each run's ``metrics.jsonl`` (one line per optimiser step, written by rank 
 
 * ``tokens_per_s_total``: all input tokens of the timed steps / their summed step time (all GPUs);
   ``tokens_per_s_per_gpu`` = that / N; ``scaling_efficiency`` = per-GPU rate / the 1-GPU per-GPU rate;
-* ``mfu``: per GPU, train.py's FLOPs per token (``6 N + 12 L Hq D S``) x tokens / time / (N x 989 TFLOP/s
+* ``mfu``: per GPU, ligermodels.train's FLOPs per token (``6 N + 12 L Hq D S``) x tokens / time / (N x 989 TFLOP/s
   dense bf16, H100/H200), aggregated over the timed steps as the tokens/s are (null off those GPUs);
 * ``peak_mem_gb``: rank 0's ``torch.cuda.max_memory_allocated`` (1e9 bytes), whole run;
 * ``step_s_median``, ``loss_first`` / ``loss_last``, ``wall_s`` (the whole torchrun), ``startup_s`` (launch to
-  the end of step 1, less step 1) and ``export_s`` (train.py always writes ``OUT/final``, an HF checkpoint
+  the end of step 1, less step 1) and ``export_s`` (ligermodels.train always writes ``OUT/final``, an HF checkpoint
   gathered on rank 0's host: about 3 GB in bf16; it is deleted afterwards unless ``--keep-runs``).
 
     python -m benchmarks.bench_fsdp --out /tmp/fsdp --nproc 1,2          # GPUs: results/fsdp-<gpu>-<date>.json
@@ -161,9 +161,10 @@ def run_logged(cmd: list[str], env: dict, log_path: str, timeout: float, on_line
 
 
 def run_training(args: argparse.Namespace, nproc: int, model_dir: str, data: str, out: str) -> dict:
-    """Run train.py under torchrun; returns {returncode, timed_out, wall_s, tail, step1_at, last_step_at, wrote_at}.
+    """Run ligermodels.train under torchrun; returns {returncode, timed_out, wall_s, tail, step1_at, last_step_at,
+    wrote_at}.
 
-    Output lines are timestamped as they arrive (train.py prints one per step with --log-every 1 on a
+    Output lines are timestamped as they arrive (ligermodels.train prints one per step with --log-every 1 on a
     non-terminal), which splits the wall time into start-up, loop and export.
     """
     cmd = train_command(args, nproc, model_dir, data, out)
@@ -336,8 +337,9 @@ def main(argv: list[str] | None = None) -> None:
                      "device": args.device, "ac": args.ac, "doc_tokens_mean": args.doc_tokens,
                      "optimizer": "AdamW (fused on cuda), fp32 master weights, bf16 compute, fp32 grad reduce"},
         "notes": "tokens_per_s_* count every input token of the timed steps; mfu is per GPU against 989 TFLOP/s "
-                 "(H100/H200 dense bf16) with train.py's flops_per_token (full-S attention term); peak_mem_gb is "
-                 "rank 0's max_memory_allocated; export_s is train.py's final HF export (not in the rates).",
+                 "(H100/H200 dense bf16) with ligermodels.train's flops_per_token (full-S attention term); "
+                 "peak_mem_gb is rank 0's max_memory_allocated; export_s is ligermodels.train's final HF export "
+                 "(not in the rates).",
         "rows": rows,
     }
     path = write_results(results_name(env, args.tiny), payload, out_dir=args.results)

@@ -59,8 +59,8 @@ torchtitan is a benchmark-only baseline (never a dependency), pinned to 0.2.2 (F
 against torch 2.11's nightlies; 0.3.0, September 2026, follows later torch nightlies and needs packages the
 GPU image lacks: spmd_types, torch_checkpointing, wandb). Its config, the flavors of
 benchmarks/titan_flavors.py, its tokenizer and data loader reading these inputs were checked on torch
-2.13's CPU build with the same wheels; its trainer needs CUDA, so the run on torch 2.11 is the GPU
-session's. The GPU machine has no network: fetch the wheels with ``bash benchmarks/fetch_titan_wheels.sh``
+2.13's CPU build with the same wheels; its trainer needs CUDA, so it runs on the GPU machines (torch
+2.11). The GPU machine has no network: fetch the wheels with ``bash benchmarks/fetch_titan_wheels.sh``
 where pip reaches PyPI (into ``.whl/``, git-ignored), carry ``.whl`` and install them there first::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
@@ -99,7 +99,7 @@ TITAN_VERSION = "0.2.2"
 TITAN_MODULES = ("torchtitan", "tyro", "torchdata", "datasets")
 LR = 1e-5
 SEED = 0
-PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100 and H200 (ligermodels.train.PEAK_BF16_FLOPS)
+PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100 and H200 (ligermodels.train.metrics.PEAK_BF16_FLOPS)
 #: The issue's targets; split_rel_loss: |loss(N GPUs) - loss(1 GPU, grad-accum N)| / loss at every step compared.
 TARGETS = {"speed_vs_titan_compile": 1.15, "memory_vs_titan_compile": 1.0, "scaling": {"2": 0.95, "8": 0.90},
            "split_rel_loss": 1e-5}
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.harness import environment, write_results
     from ligermodels.families import config_from_hf
-    from ligermodels.train import flops_per_token
+    from ligermodels.train.metrics import flops_per_token
 
     host = socket.gethostname()
     have = torch.cuda.device_count() if args.device == "cuda" else (os.cpu_count() or 1)

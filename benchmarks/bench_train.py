@@ -1,10 +1,10 @@
-"""What users run, side by side (issue 18): ``python -m ligermodels.train`` against ``transformers.Trainer``
+"""What users run, side by side: ``python -m ligermodels.train`` against ``transformers.Trainer``
 (plain, ``use_liger_kernel=True``, ``torch_compile=True``) on the same rows, precision and shape.
 
 Every implementation trains the same model shape from random init (the public config.json shapes of
 ``benchmarks.bench_e2e.MODELS``) on the same packed rows: ``WORK/data.jsonl`` holds random-word
 documents of 200-3000 words (``--doc-words``), tokenized by a word-level tokenizer that fills the
-model's vocabulary and packed by ``ligermodels.data.PackedRows`` (seed 0) into rows of ``--seq``
+model's vocabulary and packed by ``ligermodels.train.data.PackedRows`` (seed 0) into rows of ``--seq``
 tokens, position ids restarting at each document. ligermodels.train reads them itself; the Trainer
 gets row ``i`` as dataset item ``i`` with a sequential sampler, so step ``k`` of every implementation
 trains on rows ``k*B .. k*B + B - 1``, and its labels (-100 on each document's first token) and
@@ -139,8 +139,8 @@ def write_inputs(work: str, model: str, tokens: int, doc_words: tuple[int, int])
 
 def packed_rows(model_dir: str, data: str, seq: int):
     """The rows ligermodels.train reads for ``--model model_dir --data data --seq-len seq --seed 0``."""
-    from ligermodels.data import PackedRows, read_jsonl, special_token_ids, tokenize
     from ligermodels.tokenizer import load_tokenizer
+    from ligermodels.train.data import PackedRows, read_jsonl, special_token_ids, tokenize
 
     tokenizer = load_tokenizer(model_dir)
     bos, eos = special_token_ids(tokenizer, model_dir)
@@ -160,8 +160,9 @@ def write_base(model_dir: str, base: str, device: str) -> None:
     :func:`_base_record` (written last: a base without it is incomplete and written again)."""
     import torch
 
-    from checkpoints_tools import read_config, save_hf
+    from checkpoints_tools import read_config
     from ligermodels.families import config_from_hf, family_of
+    from ligermodels.hf_io import save_hf
 
     config = config_from_hf(read_config(model_dir))
     torch.manual_seed(SEED)
@@ -336,7 +337,7 @@ def bare_worker(args) -> dict:
     import torch
 
     from benchmarks import bench_e2e
-    from ligermodels.train import auto_loss_strategy
+    from ligermodels.train.parallelize import auto_loss_strategy
 
     model = bench_e2e.MODELS[args.model]  # the loss head ligermodels.train picks by default (--loss-strategy auto)
     bench_e2e.FLCE_STRATEGY = auto_loss_strategy(model["vocab_size"], model["hidden_size"], torch.device("cuda"))
@@ -427,8 +428,9 @@ def train_step(model, optimizer, rows, start: int, batch: int, targs, device):
     ``--max-grad-norm``, the AdamW step, gradients freed; the loss (a device scalar)."""
     import torch
 
-    from ligermodels.data import count_loss_tokens
-    from ligermodels.train import forward_backward, to_device
+    from ligermodels.attention import to_device
+    from ligermodels.train.data import count_loss_tokens
+    from ligermodels.train.objectives import forward_backward
 
     input_ids, labels, positions = rows.rows(start, batch)
     num_items = to_device(torch.tensor(count_loss_tokens(labels)), device).clamp(min=1)
@@ -441,7 +443,8 @@ def train_step(model, optimizer, rows, start: int, batch: int, targs, device):
 
 class LigermodelsTries:
     """``ligermodels-lora``'s --max-batch tries in this process: the model of the CLI run (its flags parsed by
-    ``ligermodels.train.parse_args``; ``load_inputs`` and ``build_model``, a process group of one) built once,
+    ``ligermodels.train.parse_args`` and resolved; ``load_inputs`` and ``build_model``, a process group of one)
+    built once,
     its frozen base in bf16 on one GPU; each try ``run(batch)`` builds a fresh optimiser (``build_optimizer``:
     fresh adapter moments) and runs :data:`MAX_BATCH_STEPS` :func:`train_step` s.
     ``close()`` leaves the process group."""
@@ -449,15 +452,17 @@ class LigermodelsTries:
     def __init__(self, args, base: str, data: str):
         import torch
 
-        from ligermodels import train as T
-        from ligermodels.data import PackedRows
+        from ligermodels.train import parse_args
+        from ligermodels.train.data import PackedRows, load_inputs
+        from ligermodels.train.parallelize import build_model, setup_distributed
 
-        self.targs = T.parse_args(train_command(args, "ligermodels-lora", base, data, 1,
-                                                os.path.join(args.out, "max-batch"))[3:])
-        self.rank, self.world, self.device = T.setup_distributed(self.targs.device)
-        inputs = T.load_inputs(self.targs)
+        targs = parse_args(train_command(args, "ligermodels-lora", base, data, 1,
+                                         os.path.join(args.out, "max-batch"))[3:])
+        self.rank, self.world, self.device = setup_distributed(targs.device)
+        inputs = load_inputs(targs)
+        self.targs = targs.resolved(inputs.config.max_position_embeddings)
         self.rows = PackedRows(inputs.documents, self.targs.seq_len, self.targs.seed)
-        self.model = T.build_model(inputs, self.targs, self.rank, self.world, self.device)
+        self.model = build_model(inputs, self.targs, self.rank, self.world, self.device)
         gc.collect()  # the host copy of the checkpoint build_model read, before the first try
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -466,7 +471,7 @@ class LigermodelsTries:
     def __call__(self, batch: int) -> None:
         import torch
 
-        from ligermodels.train import build_optimizer
+        from ligermodels.train.parallelize import build_optimizer
 
         optimizer = build_optimizer(self.model, self.targs, self.world)
         try:
@@ -567,7 +572,7 @@ def child_env() -> dict:
 
 
 # ------------------------------------------------------------------------------------------ targets
-#: Issue 18's targets: ours against the fastest transformers variant, Trainer + Liger's memory, the bare step.
+#: The targets: ours against the fastest transformers variant, Trainer + Liger's memory, the bare step.
 TARGETS = {"speed_vs_fastest_hf": 1.15, "memory_vs_hf_liger": 0.75, "speed_vs_bare": 0.90,
            "document_attention_cost": 0.03}
 
@@ -762,7 +767,7 @@ def main(argv=None) -> None:
 def write(args, env: dict, rows: list[dict], checks: dict, low: int, high: int) -> None:
     from benchmarks.harness import write_results
 
-    payload = {"benchmark": "training loops users run (issue 18): ligermodels.train vs transformers.Trainer",
+    payload = {"benchmark": "training loops users run: ligermodels.train vs transformers.Trainer",
                "settings": {"seq": args.seq, "steps": args.steps, "warmup_steps_dropped": args.warmup,
                             "ac": args.ac, "doc_words": [low, high], "lr": LR, "lr_schedule": "constant",
                             "precision": "fp32 master weights, bf16 compute", "grad_clip": 1.0},

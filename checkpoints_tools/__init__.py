@@ -1,12 +1,20 @@
-"""Hugging Face safetensors <-> native checkpoints: key maps, hub resolution, loading, export."""
+"""Hugging Face checkpoints as files: hub resolution, key maps (HF names <-> native names), safetensors reading
+and atomic sharded writing, and the transformers reference of ``python -m ligermodels.verify``.
 
-from ligermodels.dependencies import require_runtime_dependencies
+Works on names, tensors and config dicts; imports nothing of ``ligermodels`` or ``kernels`` (``ligermodels``
+builds its models' loading and saving on it: ``ligermodels.hf_io``).
+"""
 
-require_runtime_dependencies()  # names a missing package before torch or safetensors is imported
-
-from checkpoints_tools.hf_io import hf_tensors, load_hf, read_config, save_hf, save_hf_state, to_dtype
-from checkpoints_tools.hub import CheckpointError, resolve
+from checkpoints_tools.hub import CheckpointError, resolve, safetensors_files
 from checkpoints_tools.keymap import KEYMAPS
+from checkpoints_tools.safetensors_io import (
+    TOKENIZER_FILES,
+    CheckpointReader,
+    read_config,
+    read_json_object,
+    to_dtype,
+    write_checkpoint,
+)
 
-__all__ = ["load_hf", "save_hf", "save_hf_state", "hf_tensors", "read_config", "to_dtype", "resolve",
-           "CheckpointError", "KEYMAPS"]
+__all__ = ["CheckpointError", "resolve", "safetensors_files", "KEYMAPS", "TOKENIZER_FILES", "CheckpointReader",
+           "read_config", "read_json_object", "to_dtype", "write_checkpoint"]

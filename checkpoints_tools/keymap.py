@@ -4,15 +4,16 @@ A map is a table from a native name template to the HF name templates it is made
 ``{i}`` standing for the layer index. A native tensor with several HF parts is their
 concatenation along dim 0 in the listed order (q, k, v -> the fused qkv projection; gate, up ->
 the fused gate_up projection). The inverse (native -> HF parts, for saving) is derived from the
-same table and the part sizes below; nothing is written twice.
+same table and the part sizes the caller gives; nothing is written twice.
+
+A map works on names and plain sizes only: the model's config is read by ``ligermodels``, which passes
+the part sizes of its fused tensors (:func:`part_sizes`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-
-from ligermodels.config import DecoderConfig
+from collections.abc import Mapping, Sequence
 
 _L = "model.layers.{i}"
 
@@ -81,11 +82,9 @@ GEMMA3_MULTIMODAL = _prefixed(GEMMA3, "language_model.model.", "language_model.l
 KEYMAPS = {"standard": STANDARD, "phi3": PHI3, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3, "glm4": GLM4,
            "gemma3_multimodal": GEMMA3_MULTIMODAL}
 
-#: Sizes along dim 0 of the parts of a fused native tensor, by the native module it belongs to.
-PART_SIZES: dict[str, Callable[[DecoderConfig], list[int]]] = {
-    "attn.qkv": lambda c: [c.q_size, c.kv_size, c.kv_size],
-    "mlp.gate_up": lambda c: [c.intermediate_size, c.intermediate_size],
-}
+#: The native modules whose weights fuse several HF tensors; the caller gives each one's part sizes along dim 0
+#: (``attn.qkv``: [q, k, v] rows; ``mlp.gate_up``: [gate, up] rows).
+FUSED_MODULES = ("attn.qkv", "mlp.gate_up")
 
 #: HF tensors that carry no parameters (recomputed buffers) and are skipped when present.
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
@@ -101,19 +100,20 @@ def expand(table: dict[str, tuple[str, ...]], num_layers: int) -> dict[str, tupl
     return out
 
 
-def part_sizes(native: str, config: DecoderConfig, n_parts: int, total: int) -> list[int]:
-    """Dim-0 sizes of the HF parts of native tensor ``native`` (whole tensor when it has one part)."""
+def part_sizes(native: str, fused: Mapping[str, Sequence[int]], n_parts: int, total: int) -> list[int]:
+    """Dim-0 sizes of the HF parts of native tensor ``native`` (of ``total`` rows): the whole tensor when it has
+    one part, else ``fused[module]`` for the fused module it belongs to (see :data:`FUSED_MODULES`)."""
     if n_parts == 1:
         return [total]
-    for module, sizes in PART_SIZES.items():
-        if f".{module}." in native:
-            return sizes(config)
+    for module in FUSED_MODULES:
+        if f".{module}." in native and module in fused:
+            return list(fused[module])
     raise KeyError(f"no part sizes known for fused tensor {native}")
 
 
-def native_to_hf(native_names: list[str], config: DecoderConfig, keymap: str) -> dict[str, tuple[str, ...]]:
+def native_to_hf(native_names: list[str], num_layers: int, keymap: str) -> dict[str, tuple[str, ...]]:
     """For the model's own parameter names, the HF names each is made of (inverse of loading)."""
-    table = expand(KEYMAPS[keymap], config.num_layers)
+    table = expand(KEYMAPS[keymap], num_layers)
     missing = [n for n in native_names if n not in table]
     if missing:
         raise KeyError(f"no checkpoint key mapping for native parameter(s) {missing[:5]}")

@@ -41,7 +41,7 @@ parameters) and ``load_masters_`` sets them.
 
 The step count and (optionally) the learning rate live on the device, so a step has no host
 synchronisation and can be captured in a CUDA graph (``capturable=True`` is accepted, and needed by
-``ligermodels.cuda_graph.CUDAGraphStep``; the kernel path is always capturable). Parameters that are
+``ligermodels.train.cuda_graph.CUDAGraphStep``; the kernel path is always capturable). Parameters that are
 DTensors (FSDP2 shards) are updated through their local shards. Where the kernels do not run (CPU
 tensors without ``TRITON_INTERPRET=1``), ``step`` is torch's own AdamW, the reference.
 """

@@ -13,12 +13,12 @@ Bytes moved (the fewest the op must move), for M rows of I elements of s bytes:
 forward 3*M*I*s (read gate, up; write out), backward 5*M*I*s (read dout, gate, up; write dgate, dup).
 
 Each program covers a (rows x columns) tile of 8192 elements. The column block is chosen per I so
-that few lanes are masked (``_col_block``): one block of 8192 for I = 8192, 32 rows x 256 for
+that few lanes are masked (``col_block``): one block of 8192 for I = 8192, 32 rows x 256 for
 Qwen2-1.5B's I = 8960, which a one-row block of 8192 covered in two programs, the second 91% masked
 (80-83% of copy bandwidth in the training profile; 94% with the tiles, H100 kernel benchmark).
-Separate contiguous inputs are viewed as rows of up to 8192 whatever I is (``_flat_width``: an
+Separate contiguous inputs are viewed as rows of up to 8192 whatever I is (``flat_width``: an
 elementwise op does not care where rows end), so every tile is one contiguous run: 98-100% of copy
-bandwidth at I = 8960 and 5632, against 94-96% with the column blocks (H100, session 8). The packed
+bandwidth at I = 8960 and 5632, against 94-96% with the column blocks (H100). The packed
 form keeps the column blocks, since its gate and up halves alternate along each row.
 
 ``glu_linear`` fuses the GLU with the down projection that follows it in an MLP, for memory: the
@@ -128,7 +128,7 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, d_ptr, h_ptr, u_off, du_off, stride_do
 # ------------------------------------------------------------------------------------ custom ops
 # The ops take a packed (..., 2*I) gate+up tensor whole (``up`` None) and address its halves with an
 # element offset inside the kernel: no slice views reach the op, so torch.compile has none to copy.
-def _col_block(cols: int) -> int:
+def col_block(cols: int) -> int:
     """Column block for rows of ``cols`` elements: the widest power of two from ``_MIN_COLS`` up to
     ``_BLOCK`` that leaves the fewest masked lanes in the last column block. A row of 8960 (Qwen2-1.5B's
     intermediate size) takes 256 (35 full blocks) rather than 8192, whose second block per row is 91%
@@ -139,9 +139,9 @@ def _col_block(cols: int) -> int:
     return min(widths, key=lambda w: (-cols % w, -w))
 
 
-def _launch(rows: int, cols: int) -> dict:
+def launch_config(rows: int, cols: int) -> dict:
     """Grid and tile of a (rows x cols) GLU launch: tiles of up to ``_BLOCK`` elements, 16 per thread."""
-    block_c = _col_block(cols)
+    block_c = col_block(cols)
     block_r = max(1, _BLOCK // block_c)
     if isinstance(rows, int):  # fewer rows than a tile (decode); a symbolic row count stays unspecialised
         block_r = min(block_r, row_block(rows))
@@ -150,7 +150,7 @@ def _launch(rows: int, cols: int) -> dict:
             "meta": {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}}
 
 
-def _flat_width(*tensors: torch.Tensor) -> int:
+def flat_width(*tensors: torch.Tensor) -> int:
     """Row width to view separate operands of one shape as (numel / width, width): the widest power of
     two from ``_BLOCK`` down to ``_MIN_COLS`` that divides numel, when every operand is contiguous (0:
     keep their rows). An elementwise op does not care where rows end, and full ``_BLOCK``-wide tiles
@@ -164,13 +164,13 @@ def _flat_width(*tensors: torch.Tensor) -> int:
 def _operands(gate: torch.Tensor, up: torch.Tensor | None, *more: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, list[torch.Tensor]]:
     """(gate rows, up rows, element offset of up in its rows tensor, rows, row width, ``more`` as rows)
-    for packed (``up`` None: rows of I = width) or separate inputs (rows of I, or of :func:`_flat_width`
+    for packed (``up`` None: rows of I = width) or separate inputs (rows of I, or of :func:`flat_width`
     when all are contiguous). ``more`` are tensors of the op's output shape (the output gradient)."""
     if up is None:
         g2 = as_rows(gate)
         cols = g2.shape[1] // 2
         return g2, g2, cols, g2.shape[0], cols, [as_rows(t) for t in more]
-    width = _flat_width(gate, up, *more)
+    width = flat_width(gate, up, *more)
     if width:
         g2 = gate.view(-1, width)
         return g2, up.view(-1, width), 0, g2.shape[0], width, [t.view(-1, width) for t in more]
@@ -186,7 +186,7 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Ten
     out = torch.empty(out_shape, dtype=gate.dtype, device=gate.device)
     if out.numel() > 0:
         o2 = out.view(rows, cols)
-        tile = _launch(rows, cols)
+        tile = launch_config(rows, cols)
         wrap_triton(_glu_fwd_kernel)[tile["grid"]](
             g2, u2, o2, u_off, g2.stride(0), u2.stride(0), o2.stride(0), rows, cols, ACT=act, **tile["meta"])
     return out
@@ -205,7 +205,7 @@ def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None,
         du_off, stride_d = rows * cols, cols
     h2 = d2 if h is None else h.view(rows, cols)  # without h: a read-only placeholder, never stored to
     if rows * cols > 0:
-        tile = _launch(rows, cols)
+        tile = launch_config(rows, cols)
         wrap_triton(_glu_bwd_kernel)[tile["grid"]](
             d2, g2, u2, buf, h2, u_off, du_off, d2.stride(0), g2.stride(0), u2.stride(0), stride_d,
             h2.stride(0), rows, cols, ACT=act, STORE_H=h is not None, **tile["meta"])

@@ -32,7 +32,7 @@ over its rows in fp32 (columns split over programs) and writes ``dw`` in the wei
 once. The backward is two launches whatever the shape. A single-launch variant, in which the last
 programs to arrive (counted on an atomic arrival counter) sum dw while the others exit, was 1-2.5 us
 slower than the second launch at every shape measured (H100, 4096-32768 rows of 2048-8192, each summing
-program 64-256 columns; a session-8 experiment, numbers in issue #2), so it was not kept. For GPU
+program 64-256 columns), so it was not kept. For GPU
 tuning sweeps, the environment variable ``LIGER_RMS_BWD_PPS`` (a positive integer, read at import)
 overrides the programs per SM.
 

@@ -97,7 +97,7 @@ _SMALL_TOKEN = 4096
 _NORM_BWD_TOKENS = 8
 #: Programs per multiprocessor of the persistent in-place q/k-norm backward (whole-head rotary,
 #: :func:`_norm_rope_qkv_bwd_persistent`): 3 of 4 warps (168 registers each) ran fastest on an H200, 2 and
-#: one of 8 warps slower (session 15's scratch sweep).
+#: one of 8 warps slower (benchmarks/results/experiments/qknorm-bwd-variants-NVIDIA_H200-2026-11-26.json).
 _NORM_BWD_PROGRAMS_PER_SM = 3
 
 
@@ -564,7 +564,7 @@ def _norm_rope_qkv_bwd_persistent(dy_ptr, xs_ptr, rs_ptr, wq_ptr, wk_ptr, dw_ptr
     math and stores (a token's loads are always in flight). Head counts and strides are compile-time
     constants, so nothing is masked unless the head counts are not powers of two (MASKED); the partial
     weight gradients of a program, summed over its tokens and heads in registers, go to row ``pid`` of dw
-    (G, 2 * D): q's then k's. On an H200 (scratch sweep, session 15) 1.6x / 2.1x faster than the per-8-tokens kernel at
+    (G, 2 * D): q's then k's. On an H200 (the same variants file) 1.6x / 2.1x faster than the per-8-tokens kernel at
     head dims 128 / 256: fewer instructions per element (half rows of 8 bf16 a thread, no head loop, no
     masks) and more bytes in flight."""
     pid = tl.program_id(0)

@@ -1,4 +1,5 @@
-"""ligermodels: decoder LLMs (Llama, Qwen2, Mistral, Phi-3, Gemma) built directly on Triton kernels.
+"""ligermodels: decoder LLMs (Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 1-3, GLM-4) built directly on Triton
+kernels.
 
     from ligermodels import LigerQwen2
     model = LigerQwen2.from_hf("Qwen/Qwen2-7B", dtype="bf16", device="cuda")
@@ -6,7 +7,7 @@
     out = model.generate(input_ids, max_new_tokens=32)   # static KV cache; see ligermodels.generation
 
 The building kit (``RMSNorm``, ``Attention``, ``MLP``, ``DecoderLayer``, ``CausalLM``, ``DecoderConfig``)
-composes custom models from the same kernel blocks.
+composes custom models from the same kernel blocks. Training: :mod:`ligermodels.train`.
 """
 
 from ligermodels.dependencies import require_runtime_dependencies
@@ -16,7 +17,6 @@ require_runtime_dependencies()  # names a missing package before torch or triton
 from ligermodels.attention import AttentionMask, Documents, causal_attention
 from ligermodels.blocks import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
 from ligermodels.config import DecoderConfig
-from ligermodels.cuda_graph import CUDAGraphStep
 from ligermodels.families import (
     FAMILIES,
     AutoLigerModel,
@@ -45,3 +45,13 @@ __all__ = [
     "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
     "document_ids_from_positions", "RopeConfig", "KVCache", "generate", "sample_next", "load_tokenizer",
 ]
+
+
+def __getattr__(name: str):
+    """``ligermodels.CUDAGraphStep``, imported on first use: it lives with the trainer (ligermodels.train), which
+    ``import ligermodels`` does not load."""
+    if name == "CUDAGraphStep":
+        from ligermodels.train.cuda_graph import CUDAGraphStep
+
+        return CUDAGraphStep
+    raise AttributeError(f"module 'ligermodels' has no attribute {name!r}")

@@ -261,7 +261,7 @@ _BACKEND_NAMES = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH
                   "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def _sdpa_backends(spec: str) -> list[SDPBackend]:
+def parse_sdpa_backends(spec: str) -> list[SDPBackend]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in _BACKEND_NAMES]
     if unknown or not names:
@@ -272,10 +272,18 @@ def _sdpa_backends(spec: str) -> list[SDPBackend]:
 
 #: The order in which SDPA backends are tried for plain causal attention (env LIGERMODELS_SDPA_BACKENDS,
 #: e.g. "flash,efficient,math" for PyTorch's default choice). Only these backends are allowed.
-SDPA_BACKENDS: list[SDPBackend] = _sdpa_backends(os.environ.get("LIGERMODELS_SDPA_BACKENDS",
+SDPA_BACKENDS: list[SDPBackend] = parse_sdpa_backends(os.environ.get("LIGERMODELS_SDPA_BACKENDS",
                                                                 "cudnn,flash,efficient,math"))
 
 _compiled_flex = None
+
+
+def reset_flex_compile() -> None:
+    """Drop the compiled FlexAttention, so that the next call compiles it again (with the current
+    :data:`FLEX_KERNEL_OPTIONS`: benchmarks that sweep them)."""
+    global _compiled_flex
+    _compiled_flex = None
+
 
 #: Sequences up to this length use the dense mask even on CUDA: one FlexAttention block covers them.
 FLEX_MIN_SEQ = 128
@@ -332,7 +340,7 @@ def triton_documents_takes(device: torch.device, dtype: torch.dtype, head_dim: i
             and head_dim in TRITON_HEAD_DIMS and dropout_p == 0.0)
 
 
-def _softcap_setting(value: str) -> str:
+def parse_softcap_setting(value: str) -> str:
     if value not in ("auto", "triton", "flex"):
         raise ValueError(f"LIGERMODELS_SOFTCAP_ATTENTION={value!r}: choose 'auto', 'triton' or 'flex'")
     return value
@@ -342,7 +350,7 @@ def _softcap_setting(value: str) -> str:
 #: :data:`TRITON_SOFTCAP_HEAD_DIMS`, else FlexAttention), "triton" (the kernel at every head dim it has tiles for,
 #: 16 to 256) or "flex" (always FlexAttention); the kernel only in bf16 / fp16 without dropout. Env
 #: LIGERMODELS_SOFTCAP_ATTENTION.
-SOFTCAP_ATTENTION = _softcap_setting(os.environ.get("LIGERMODELS_SOFTCAP_ATTENTION", "auto"))
+SOFTCAP_ATTENTION = parse_softcap_setting(os.environ.get("LIGERMODELS_SOFTCAP_ATTENTION", "auto"))
 #: Head dims where soft-capped attention goes to the Triton kernel by default. At 256 (Gemma 2) it measured
 #: 1.21 ms a layer forward + backward against FlexAttention's 1.87 (H100, Gemma-2-2B batch 4 x 2048 within
 #: documents, benchmarks/results/experiments/attention-NVIDIA_H100_80GB_HBM3-2026-11-26-softcap-*.json);

@@ -7,7 +7,6 @@ A model family (Llama, Qwen2, ...) is this config filled from the family's Huggi
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 
 from ligermodels.rope import RopeConfig
@@ -127,6 +126,13 @@ class DecoderConfig:
         """Width of the key (and of the value) projection, Hkv * D."""
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def fused_part_sizes(self) -> dict[str, list[int]]:
+        """Rows of each part of the fused projections, as the checkpoint key maps split them: ``attn.qkv``
+        [q, k, v], ``mlp.gate_up`` [gate, up]."""
+        return {"attn.qkv": [self.q_size, self.kv_size, self.kv_size],
+                "mlp.gate_up": [self.intermediate_size, self.intermediate_size]}
+
     def replace(self, **changes) -> DecoderConfig:
         """A copy with some fields changed (derived fields recomputed unless given)."""
         if "num_layers" in changes and "layer_windows" not in changes:
@@ -144,16 +150,3 @@ class DecoderConfig:
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return n
-
-
-def read_json_object(path: str, error: type[Exception] = ValueError, what: str = "JSON") -> dict:
-    """The JSON object in the file ``path``; invalid JSON, or JSON that is not an object, raises
-    ``error`` with a message naming the file (``what`` names its role, e.g. "config.json")."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise error(f"{path}: {what} is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise error(f"{path}: {what} holds a JSON {type(obj).__name__}, not an object")
-    return obj

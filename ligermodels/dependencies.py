@@ -1,10 +1,9 @@
 """The runtime dependencies, why each is needed, and a check that runs before anything imports them.
 
-Standard library only: ``ligermodels/__init__.py`` (and ``checkpoints_tools``) call
-:func:`require_runtime_dependencies` first, so a missing package is named before an import deep
-inside torch or triton fails. When the process is one of the project's command lines
-(``python -m ligermodels.train``, ``python -m checkpoints_tools``), the check prints one
-``error:`` line and exits 2; imported as a library, it raises ``ImportError`` with the same text.
+Standard library only: ``ligermodels/__init__.py`` calls :func:`require_runtime_dependencies` first,
+so a missing package is named before an import deep inside torch or triton fails. When the process
+is one of the project's command lines (``python -m ligermodels.train``, ``python -m ligermodels.verify``),
+the check prints one ``error:`` line and exits 2; imported as a library, it raises ``ImportError`` with the same text.
 
 ``pyproject.toml``'s ``dependencies`` and the README's dependency table list exactly these
 (``tests/test_runtime_imports.py`` checks both).
@@ -27,7 +26,7 @@ RUNTIME_DEPENDENCIES: dict[str, tuple[str, str]] = {
 }
 
 #: ``python -m`` targets that are command lines: a missing dependency there is an ``error:`` line.
-CLI_MODULES = ("ligermodels.train", "checkpoints_tools")
+CLI_MODULES = ("ligermodels.train", "ligermodels.verify")
 
 
 def importable(name: str) -> bool:

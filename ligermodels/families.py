@@ -485,6 +485,6 @@ class AutoLigerModel:
     @staticmethod
     def from_hf(repo_or_dir: str, dtype=None, device=None, revision: str | None = None) -> CausalLM:
         """Load any supported checkpoint; the class (LigerLlama, LigerQwen2, ...) comes from its model_type."""
-        from checkpoints_tools import load_hf
+        from ligermodels.hf_io import load_hf  # (hf_io imports this module)
 
         return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision)

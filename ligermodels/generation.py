@@ -215,11 +215,11 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     _check_sampling(temperature, top_k, top_p)
     if not temperature:
         return logits.argmax(dim=-1)
-    logits = _filtered(logits.float() / temperature, top_k, top_p)
+    logits = filtered_logits(logits.float() / temperature, top_k, top_p)
     return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
-def _filtered(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+def filtered_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
     """``logits`` (B, V) with -inf where top_k, then top_p, drop a token (transformers' warpers' rules)."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]

@@ -31,15 +31,19 @@ import itertools
 import json
 import math
 import os
-import shutil
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from checkpoints_tools import read_json_object
+from checkpoints_tools.keymap import KEYMAPS, expand, part_sizes
+from checkpoints_tools.safetensors_io import copy_tokenizer_files
 from kernels.low_rank import LowRank, lora_linear
 from ligermodels.blocks import MLP, Attention
-from ligermodels.config import read_json_object
+from ligermodels.families import FAMILIES
+from ligermodels.hf_io import save_hf_state
+from ligermodels.model import CausalLM
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -304,10 +308,6 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def _hf_layout(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
     """Native projection name (``layers.{i}.attn.qkv``) -> its HF modules (``model.layers.{i}.self_attn.q_proj``)
     with their output rows [start, stop), from the family's checkpoint key map."""
-    from checkpoints_tools.keymap import KEYMAPS, expand, part_sizes
-    from ligermodels.families import FAMILIES
-    from ligermodels.model import CausalLM
-
     if not isinstance(model, CausalLM):
         raise LoRAError(f"PEFT adapters need a CausalLM (the PEFT names come from its layers), got "
                         f"{type(model).__name__}")
@@ -322,7 +322,8 @@ def _hf_layout(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
         for proj in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
             native = f"layers.{i}.{proj}"
             parts = table[f"{native}.weight"]
-            sizes = part_sizes(f"{native}.weight", config, len(parts), model.get_submodule(native).out_features)
+            sizes = part_sizes(f"{native}.weight", config.fused_part_sizes, len(parts),
+                               model.get_submodule(native).out_features)
             starts = [0, *itertools.accumulate(sizes)]
             layout[native] = [(p.removesuffix(".weight"), s, s + n) for p, s, n in zip(parts, starts, sizes,
                                                                                         strict=False)]
@@ -381,7 +382,10 @@ def save_lora(model: nn.Module, out_dir: str, state: dict[str, torch.Tensor] | N
         "layers_pattern": None,
     }
     os.makedirs(out_dir, exist_ok=True)
-    # each file written under a temporary name and renamed into place, the config last
+    if tokenizer_from:
+        copy_tokenizer_files(tokenizer_from, out_dir)
+    # each file written under a temporary name and renamed into place, the config last: it marks the adapter
+    # complete
     tmp = os.path.join(out_dir, f".{ADAPTER_WEIGHTS}.tmp")
     save_file(tensors, tmp, metadata={"format": "pt"})
     os.replace(tmp, os.path.join(out_dir, ADAPTER_WEIGHTS))
@@ -389,13 +393,6 @@ def save_lora(model: nn.Module, out_dir: str, state: dict[str, torch.Tensor] | N
     with open(tmp, "w") as f:
         json.dump(config, f, indent=2)
     os.replace(tmp, os.path.join(out_dir, ADAPTER_CONFIG))
-    if tokenizer_from:
-        from checkpoints_tools.hf_io import TOKENIZER_FILES
-
-        for fname in TOKENIZER_FILES:
-            src = os.path.join(tokenizer_from, fname)
-            if os.path.isfile(src):
-                shutil.copy2(src, os.path.join(out_dir, fname))
 
 
 def export_lora(model: nn.Module, state: dict[str, torch.Tensor], out_dir: str, merge: bool = False,
@@ -405,15 +402,13 @@ def export_lora(model: nn.Module, state: dict[str, torch.Tensor], out_dir: str, 
 
     ``merge`` False: the adapters only, in PEFT's format (:func:`save_lora`), plus the tokenizer files of
     ``tokenizer_from``. ``merge`` True: the adapters folded into the base weights (:func:`merge_lora_state`),
-    written as a plain HF checkpoint by ``checkpoints_tools.save_hf_state`` (with the tokenizer files),
+    written as a plain HF checkpoint by :func:`ligermodels.hf_io.save_hf_state` (with the tokenizer files),
     each tensor cast to ``dtype`` when given.
     """
     if not merge:
         save_lora(model, out_dir, state={k: v for k, v in state.items() if k.endswith((".lora_A", ".lora_B"))},
                   tokenizer_from=tokenizer_from)
         return
-    from checkpoints_tools import save_hf_state
-
     merged = merge_lora_state(state, model)
     if dtype is not None:
         merged = {k: v.to(dtype) for k, v in merged.items()}

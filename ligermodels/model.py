@@ -163,14 +163,14 @@ class CausalLM(nn.Module):
     @classmethod
     def from_hf(cls, repo_or_dir: str, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
                 revision: str | None = None) -> CausalLM:
-        """Load a Hugging Face checkpoint (safetensors only). See :func:`checkpoints_tools.load_hf`."""
-        from checkpoints_tools import load_hf
+        """Load a Hugging Face checkpoint (safetensors only). See :func:`ligermodels.hf_io.load_hf`."""
+        from ligermodels.hf_io import load_hf  # (hf_io imports this module)
 
         return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision, expect=cls)
 
     def save_hf(self, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
-        """Write config.json and sharded safetensors that transformers loads. See :func:`checkpoints_tools.save_hf`."""
-        from checkpoints_tools import save_hf
+        """Write config.json and sharded safetensors that transformers loads. See :func:`ligermodels.hf_io.save_hf`."""
+        from ligermodels.hf_io import save_hf
 
         save_hf(self, out_dir, max_shard_bytes=max_shard_bytes)
 

@@ -10,6 +10,8 @@ import os
 
 from tokenizers import Tokenizer
 
+from checkpoints_tools.hub import CheckpointError, resolve
+
 
 def load_tokenizer(repo_or_dir: str, revision: str | None = None) -> Tokenizer:
     """The ``tokenizer.json`` of a checkpoint, as a :class:`tokenizers.Tokenizer`.
@@ -20,8 +22,6 @@ def load_tokenizer(repo_or_dir: str, revision: str | None = None) -> Tokenizer:
     holds no ``tokenizer.json`` (slow-only tokenizers such as a lone ``tokenizer.model`` are not read),
     and naming the file when it cannot be read.
     """
-    from checkpoints_tools.hub import CheckpointError, resolve
-
     directory = resolve(repo_or_dir, revision)
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):

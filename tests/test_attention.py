@@ -104,11 +104,11 @@ def test_plain_causal_bf16_runs_cudnn_attention():
 
 def test_unknown_backend_in_env_is_rejected_with_its_name():
     with pytest.raises(ValueError, match=r"LIGERMODELS_SDPA_BACKENDS=.*flashy"):
-        attention._sdpa_backends("cudnn,flashy")
+        attention.parse_sdpa_backends("cudnn,flashy")
 
 
 def test_backend_order_is_parsed_from_the_env_spelling():
-    assert attention._sdpa_backends("flash, math") == [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+    assert attention.parse_sdpa_backends("flash, math") == [torch.nn.attention.SDPBackend.FLASH_ATTENTION,
                                                        torch.nn.attention.SDPBackend.MATH]
 
 
@@ -215,9 +215,9 @@ def test_softcap_setting_picks_the_kernel_by_head_dim_and_names_a_bad_value(monk
             assert attention.triton_softcap_takes(cuda, bf16, d, 0.0) == takes, (setting, d)
         for device, dtype, p in ((torch.device("cpu"), bf16, 0.0), (cuda, torch.float32, 0.0), (cuda, bf16, 0.1)):
             assert not attention.triton_softcap_takes(device, dtype, 64, p), (setting, device, dtype, p)
-    assert attention._softcap_setting("triton") == "triton"
+    assert attention.parse_softcap_setting("triton") == "triton"
     with pytest.raises(ValueError, match=r"LIGERMODELS_SOFTCAP_ATTENTION='tritonn'.*'auto', 'triton' or 'flex'"):
-        attention._softcap_setting("tritonn")
+        attention.parse_softcap_setting("tritonn")
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the routing is CUDA's")

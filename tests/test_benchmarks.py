@@ -16,6 +16,7 @@ import torch
 from benchmarks import bench_attention, bench_e2e, report
 from benchmarks import kernels_rope_variants as rv
 from ligermodels.families import config_from_hf, family_of
+from tests.utils import DEVICE, assert_triton_runs
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,18 +87,20 @@ def test_step_flops_counts_sliding_windows():
 # --------------------------------------------------------------------------- rope-variant kernel cases
 @pytest.mark.parametrize("case", rv.CASES, ids=lambda c: c.op + c.tag)
 def test_rope_variant_baselines_compute_what_our_op_computes(case):
-    """On each case's head_dim, rotary width, pairing and norm (fewer heads, a few tokens, fp32, kernels in
-    Triton's interpreter on CPU): the eager baseline's q and k and their gradients equal ours, our in-place op
-    leaves the v heads and passes their gradient through, through the same alias the benchmark times."""
+    """On each case's head_dim, rotary width, pairing and norm (fewer heads, a few tokens, fp32; our kernels on
+    the GPU where there is one, else in Triton's interpreter): the eager baseline's q and k and their gradients
+    equal ours, our in-place op leaves the v heads and passes their gradient through, through the same alias the
+    benchmark times."""
     case = dataclasses.replace(case, heads=(4, 2, case.heads[2]))
     hq, hkv, d = case.heads
     batch, seq = 2, 5
     packed = case.inplace
-    ours_in = rv.make_inputs(case, batch, seq, torch.float32, "cpu", packed, seed=3)
-    base_in = rv.make_inputs(case, batch, seq, torch.float32, "cpu", False, seed=3)
+    ours_in = rv.make_inputs(case, batch, seq, torch.float32, DEVICE.type, packed, seed=3)
+    base_in = rv.make_inputs(case, batch, seq, torch.float32, DEVICE.type, False, seed=3)
+    assert_triton_runs(ours_in[0])
     eager_q, eager_k = rv.eager_fn(case)(*base_in)
     g = torch.Generator().manual_seed(4)
-    dq, dk = torch.randn(eager_q.shape, generator=g), torch.randn(eager_k.shape, generator=g)
+    dq, dk = (torch.randn(t.shape, generator=g).to(DEVICE) for t in (eager_q, eager_k))
     weights = base_in[4:]
     eager_grads = torch.autograd.grad((eager_q, eager_k), [base_in[0], base_in[1], *weights], (dq, dk))
 
@@ -107,7 +110,7 @@ def test_rope_variant_baselines_compute_what_our_op_computes(case):
         assert out.data_ptr() == ours_in[0].data_ptr()  # in place, on the leaf's storage
         heads = out.view(batch, seq, hq + 2 * hkv, d)
         q, k, v = heads[:, :, :hq], heads[:, :, hq:hq + hkv], heads[:, :, hq + hkv:]
-        dv = torch.randn(v.shape, generator=g)
+        dv = torch.randn(v.shape, generator=g).to(DEVICE)
         grads = torch.autograd.grad(out, [ours_in[0], *ours_in[3:]], torch.cat((dq, dk, dv), dim=2).flatten(2))
         dheads = grads[0].view(batch, seq, hq + 2 * hkv, d)
         torch.testing.assert_close(v, v_before, rtol=0, atol=0)

@@ -18,9 +18,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from checkpoints_tools import CheckpointError, load_hf, save_hf_state
-from checkpoints_tools.__main__ import main as cli_main
+from checkpoints_tools import CheckpointError
 from ligermodels import LigerLlama, UnsupportedConfigError, config_from_hf
+from ligermodels.hf_io import load_hf, save_hf_state
+from ligermodels.verify import main as cli_main
 from tests.test_models import SMALL, make_hf_checkpoint
 from tests.utils import rel_err
 
@@ -227,31 +228,31 @@ def test_partial_rotary_factor_inside_rope_parameters_is_refused_by_name():
 
 # ---------------------------------------------------------------------------------------- verify CLI
 def test_verify_exits_1_when_the_error_exceeds_the_tolerance(monkeypatch):
-    monkeypatch.setattr("checkpoints_tools.__main__.verify", lambda *a, **k: 1e-3)
-    assert cli_main(["verify", "x", "--device", "cpu"]) == 1  # fp32 default tolerance 1e-4
-    assert cli_main(["verify", "x", "--device", "cpu", "--tol", "1e-2"]) == 0
-    assert cli_main(["verify", "x", "--device", "cpu", "--dtype", "bf16"]) == 0
-    monkeypatch.setattr("checkpoints_tools.__main__.verify", lambda *a, **k: float("nan"))
-    assert cli_main(["verify", "x", "--device", "cpu"]) == 1
+    monkeypatch.setattr("ligermodels.verify.verify", lambda *a, **k: 1e-3)
+    assert cli_main(["x", "--device", "cpu"]) == 1  # fp32 default tolerance 1e-4
+    assert cli_main(["x", "--device", "cpu", "--tol", "1e-2"]) == 0
+    assert cli_main(["x", "--device", "cpu", "--dtype", "bf16"]) == 0
+    monkeypatch.setattr("ligermodels.verify.verify", lambda *a, **k: float("nan"))
+    assert cli_main(["x", "--device", "cpu"]) == 1
 
 
 def test_verify_exits_2_naming_the_problem_when_the_check_cannot_run(tmp_path, capsys):
-    assert cli_main(["verify", str(tmp_path / "absent"), "--device", "cpu"]) == 2
+    assert cli_main([str(tmp_path / "absent"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "absent" in err and "Traceback" not in err
     for device in ("tpu", "mps", "meta"):
-        assert cli_main(["verify", str(tmp_path), "--device", device]) == 2
+        assert cli_main([str(tmp_path), "--device", device]) == 2
         assert f"--device '{device}'" in capsys.readouterr().err
     d = tmp_path / "shards"  # shards without their index: ours reads them, transformers does not
     make_hf_checkpoint("llama_gqa_untied", str(d), shard=True)
     os.remove(d / "model.safetensors.index.json")
-    assert cli_main(["verify", str(d), "--device", "cpu"]) == 2
+    assert cli_main([str(d), "--device", "cpu"]) == 2
     assert "transformers cannot load" in capsys.readouterr().err
     if not torch.cuda.is_available():
-        assert cli_main(["verify", str(tmp_path), "--device", "cuda"]) == 2
+        assert cli_main([str(tmp_path), "--device", "cuda"]) == 2
         assert "no such CUDA device" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # argparse: an unknown dtype is a usage error
-        cli_main(["verify", str(tmp_path), "--dtype", "int8"])
+        cli_main([str(tmp_path), "--dtype", "int8"])
     assert e.value.code == 2
 
 
@@ -264,7 +265,7 @@ def test_verify_never_lets_transformers_unpickle_weights(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a checkpoint was unpickled"))
     with pytest.raises(CheckpointError, match=r"no model\*\.safetensors.*weights\.safetensors"):
         load_hf(str(d))
-    assert cli_main(["verify", str(d), "--device", "cpu"]) == 2
+    assert cli_main([str(d), "--device", "cpu"]) == 2
 
 
 # ------------------------------------------------------------------------------- review fixes, saving
@@ -359,14 +360,14 @@ def test_a_tied_head_equal_to_the_embedding_passes_even_with_nan(model, tmp_path
 
 
 def test_same_values_compares_bits_dtype_and_conjugation():
-    from checkpoints_tools.hf_io import _same_values
+    from ligermodels.hf_io import same_values
 
     x = torch.randn(4, 6)
-    assert _same_values(x, x) and _same_values(x, x.clone()) and _same_values(x[:, ::2], x[:, ::2].clone())
-    assert not _same_values(x, x.view(torch.int32))  # one storage, another dtype
-    assert not _same_values(x, -x) and not _same_values(x, x.t().contiguous().t() + 1)
+    assert same_values(x, x) and same_values(x, x.clone()) and same_values(x[:, ::2], x[:, ::2].clone())
+    assert not same_values(x, x.view(torch.int32))  # one storage, another dtype
+    assert not same_values(x, -x) and not same_values(x, x.t().contiguous().t() + 1)
     c = torch.randn(3, 2, dtype=torch.complex128)
-    assert _same_values(c, c.clone()) and not _same_values(c, c.conj())
+    assert same_values(c, c.clone()) and not same_values(c, c.conj())
 
 
 def test_a_saved_checkpoint_keeps_the_parents_setgid_bit(model, tmp_path):

@@ -9,9 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoints_tools import CheckpointError, load_hf
+from checkpoints_tools import CheckpointError
 from checkpoints_tools.keymap import STANDARD, expand
 from ligermodels import UnsupportedConfigError, config_from_hf
+from ligermodels.hf_io import load_hf
 from tests.test_models import make_hf_checkpoint
 
 
@@ -110,7 +111,7 @@ def test_verify_command_prints_relative_error(ckpt):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "checkpoints_tools", "verify", str(ckpt), "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "ligermodels.verify", str(ckpt), "--device", "cpu"],
                          capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
     assert out.returncode == 0, out.stderr
     err = float(out.stdout.split("relative error vs transformers")[1].split(":")[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ligermodels.cuda_graph import CUDAGraphStep, warm_up
+from ligermodels.train.cuda_graph import CUDAGraphStep, warm_up
 from tests.utils import DEVICE
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

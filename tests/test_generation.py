@@ -40,10 +40,17 @@ def _prompts(vocab: int, batched: bool, seq: int = 6, seed: int = 1) -> tuple[to
     return ids, mask
 
 
-def _hf_greedy(hf, ids, mask, new=NEW, eos=None):
+def _hf_greedy(hf, ids, mask, new=NEW, eos=None, use_cache=True):
     hf.generation_config.eos_token_id = None  # the checkpoints' default EOS ids must not stop HF only
     return hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=eos,
-                       pad_token_id=PAD)
+                       pad_token_id=PAD, use_cache=use_cache)
+
+
+#: transformers versions whose Phi-3 generation drops its cache at the longrope switch (to recompute it with the
+#: long factors) but then runs only the newest token, without the earlier ones: 5.23 also resets the length it
+#: slices the inputs to (``next_sequence_length``) there. Generating without a cache recomputes every step on
+#: the whole sequence, which is what the cache drop means, on any version.
+PHI3_SWITCH_FIXED = (5, 23)
 
 
 def _check(ours, hf, ids, mask, new=NEW, eos=None):
@@ -57,18 +64,20 @@ def _check(ours, hf, ids, mask, new=NEW, eos=None):
 def test_greedy_matches_transformers(case, tmp_path):
     import transformers
 
-    if case == "phi3_longrope" and tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 23):
-        # Seen with transformers 5.17 (GPU machines, and on CPU): its greedy tokens leave 5.23's (and ours)
-        # at the step that crosses original_max_position_embeddings; 5.23 and ours agree token for token.
-        pytest.skip("Phi-3 longrope generation across the long-factor switch differs before transformers 5.23")
     hf = make_hf_checkpoint(case, str(tmp_path))
     ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32, device=DEVICE)
     assert_triton_runs(ours.embed.weight)
     ids, mask = _prompts(hf.config.vocab_size, batched=case in BATCHED)
-    out = _check(ours, hf, ids, mask)
-    assert out.shape == (ids.shape[0], ids.shape[1] + NEW)
-    if case == "phi3_longrope":  # the generated sequence crosses original_max_position_embeddings
+    switch = case in ("phi3_longrope", "phi3_partial_longrope")  # the sequence crosses the long-factor switch
+    if switch:
+        expected = _hf_greedy(hf, ids, mask, use_cache=False)
+        out = ours.generate(ids.to(DEVICE), NEW, attention_mask=mask.to(DEVICE), pad_token_id=PAD)
+        assert torch.equal(out.cpu(), expected), f"\nours {out}\nHF without a cache {expected}"
         assert ids.shape[1] <= ours.config.rope.original_max < out.shape[1]
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    if not switch or version >= PHI3_SWITCH_FIXED:
+        out = _check(ours, hf, ids, mask)
+    assert out.shape == (ids.shape[0], ids.shape[1] + NEW)
     if case.startswith(("mistral", "qwen2_bias", "qwen3_tied", "gemma2_tied", "gemma3")):  # window < sequence
         assert min(w for w in ours.config.layer_windows if w) < out.shape[1]
 
@@ -177,7 +186,7 @@ def test_top_p_keeps_transformers_set_with_tied_and_bf16_rounded_logits(seed):
     itself is compared; sampling draws only from what it keeps)."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    from ligermodels.generation import _filtered
+    from ligermodels.generation import filtered_logits
 
     g = torch.Generator().manual_seed(seed)
     tied = torch.tensor([[2.0, 0.0, 2.0, 1.0, 2.0, 1.0, 1.0, 0.0]])  # tied maxima and ties across the cut
@@ -185,9 +194,9 @@ def test_top_p_keeps_transformers_set_with_tied_and_bf16_rounded_logits(seed):
     for logits in (tied, wide):
         for top_p in (0.2, 0.3, 0.5, 0.9, 0.99):
             hf = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
-            assert torch.equal(torch.isfinite(_filtered(logits, None, top_p)), hf), f"top_p={top_p}"
+            assert torch.equal(torch.isfinite(filtered_logits(logits, None, top_p)), hf), f"top_p={top_p}"
         hf = torch.isfinite(TopPLogitsWarper(0.9)(None, TopKLogitsWarper(3)(None, logits.clone())))
-        assert torch.equal(torch.isfinite(_filtered(logits, 3, 0.9)), hf), "top_k then top_p"
+        assert torch.equal(torch.isfinite(filtered_logits(logits, 3, 0.9)), hf), "top_k then top_p"
 
 
 def test_generate_arguments_of_the_wrong_type_or_range_raise_before_any_work(tiny, monkeypatch):

@@ -55,10 +55,10 @@ def test_glu_matches_float64_forward_and_gradients(name, shape, dtype):
 @pytest.mark.parametrize("packed", [False, True])
 def test_glu_tiles_of_several_column_blocks_and_a_partial_row_block(packed):
     """Rows of 1280 split into 256-wide column blocks (a tile of 32 rows), 37 rows leave a partial row tile."""
-    from kernels.glu import _launch
+    from kernels.glu import launch_config
 
     rows, cols = 37, 1280
-    tile = _launch(rows, cols)
+    tile = launch_config(rows, cols)
     assert tile["grid"] == (2, 5) and tile["meta"]["BLOCK_R"] == 32, tile  # what this test relies on
     op, act = ACTS["swiglu"]
     x = randn(rows, 2 * cols, scale=2.0).requires_grad_()
@@ -76,14 +76,14 @@ def test_glu_tiles_of_several_column_blocks_and_a_partial_row_block(packed):
 def test_separate_contiguous_operands_run_as_flat_rows_with_the_same_numbers(contiguous):
     """Contiguous (4, 48, 96) operands (numel 18432 = 9 * 2048) run as 2048-wide rows, across the ends of
     their 96-wide rows; a gate of another layout keeps the rows. Both match float64, forward and gradients."""
-    from kernels.glu import _flat_width
+    from kernels.glu import flat_width
 
     op, act = ACTS["geglu_tanh"]
     shape = (4, 48, 96)
     gate, up, dout = randn(*shape, scale=2.0), randn(*shape), randn(*shape)
     if not contiguous:  # same values, (48, 4, 96) memory order
         gate = gate.transpose(0, 1).contiguous().transpose(0, 1)
-    assert _flat_width(gate, up, dout) == (2048 if contiguous else 0)
+    assert flat_width(gate, up, dout) == (2048 if contiguous else 0)
     gate.requires_grad_()
     up.requires_grad_()
     assert_triton_runs(gate)
@@ -97,12 +97,12 @@ def test_separate_contiguous_operands_run_as_flat_rows_with_the_same_numbers(con
 
 
 def test_glu_column_block_leaves_fewest_masked_lanes():
-    from kernels.glu import _col_block
+    from kernels.glu import col_block
 
-    assert _col_block(8960) == 256  # Qwen2-1.5B: 35 full blocks, not 8192 + a 91%-masked second block
-    assert _col_block(18944) == 512  # Qwen2-7B: 37 full blocks
-    assert _col_block(8192) == 8192 and _col_block(14336) == 2048
-    assert _col_block(96) == 128 and _col_block(1000) == 1024
+    assert col_block(8960) == 256  # Qwen2-1.5B: 35 full blocks, not 8192 + a 91%-masked second block
+    assert col_block(18944) == 512  # Qwen2-7B: 37 full blocks
+    assert col_block(8192) == 8192 and col_block(14336) == 2048
+    assert col_block(96) == 128 and col_block(1000) == 1024
 
 
 @pytest.mark.parametrize("name", list(ACTS))

@@ -328,7 +328,7 @@ def test_generation_uses_the_adapters_and_merge_lora_state_equals_merge_lora():
 def test_activation_checkpointed_layers_with_dropout_give_the_same_gradients(tmp_path):
     """The trainer's activation checkpointing (keep flags on, layers wrapped) with adapter dropout: the
     recomputed forward draws the same masks, the gradients are the same, the native names unchanged."""
-    from ligermodels.train import apply_activation_checkpointing
+    from ligermodels.train.parallelize import apply_activation_checkpointing
 
     model = add_lora(_tiny(), r=2, alpha=4, dropout=0.3, targets=ALL)
     _randomize_b(model)

@@ -38,7 +38,7 @@ def _worker(rank: int, port: int, interpret: bool, out_dir: str, base_dtype: str
 
     from ligermodels import CausalLM, DecoderConfig
     from ligermodels.lora import add_lora, export_lora, lora_modules, trainable_parameters
-    from ligermodels.train import apply_activation_checkpointing
+    from ligermodels.train.parallelize import apply_activation_checkpointing
     from tests.utils import rel_err
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp32_compute_bf16": torch.float32}[base_dtype]

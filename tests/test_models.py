@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 
-from checkpoints_tools import hf_tensors, load_hf
 from ligermodels import AutoLigerModel, LigerLlama, LigerQwen2, document_ids_from_positions
+from ligermodels.hf_io import hf_tensors, load_hf
 from tests.utils import DEVICE, assert_triton_runs, rel_err
 
 SMALL = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -287,15 +287,16 @@ def test_verify_command_passes_for_the_new_families(case, tmp_path):
         _gemma3_multimodal_checkpoint(str(tmp_path))
     else:
         make_hf_checkpoint(case, str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "checkpoints_tools", "verify", str(tmp_path), "--device", "cpu"],
+    out = subprocess.run([sys.executable, "-m", "ligermodels.verify", str(tmp_path), "--device", "cpu"],
                          capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "(eager attention)" in out.stdout, out.stdout  # the attention that computes soft-capping (Gemma 2)
     err = float(out.stdout.split("relative error vs transformers")[1].split(":")[1])
     assert err < 1e-4, out.stdout
 
 
 def test_selective_activation_checkpointing_keeps_qk_norm_gradients(tmp_path):
-    from ligermodels.train import apply_activation_checkpointing
+    from ligermodels.train.parallelize import apply_activation_checkpointing
 
     make_hf_checkpoint("qwen3_untied_headdim", str(tmp_path))
     ids = torch.randint(4, 100, (2, 16), generator=torch.Generator().manual_seed(0))

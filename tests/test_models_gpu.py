@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from checkpoints_tools import hf_tensors
 from ligermodels import CausalLM
+from ligermodels.hf_io import hf_tensors
 from tests.test_models import CASES, _batch, make_hf_checkpoint
 from tests.utils import rel_err
 

@@ -86,13 +86,14 @@ def test_every_module_imports_without_the_test_only_packages(tmp_path):
     """)
     res = _run(["-c", script], tmp_path, blocked)
     assert res.returncode == 0, res.stderr[-4000:]
-    for must in ("ligermodels.train", "ligermodels.generation", "checkpoints_tools.__main__", "kernels.adamw"):
+    for must in ("ligermodels.train", "ligermodels.train.loop", "ligermodels.verify", "checkpoints_tools.verify",
+                 "kernels.adamw"):
         assert must in res.stdout.split(), res.stdout
 
 
 def test_both_command_lines_run_without_the_test_only_packages(tmp_path):
     for module, usage in (("ligermodels.train", "usage: python -m ligermodels.train"),
-                          ("checkpoints_tools", "usage: python -m checkpoints_tools")):
+                          ("ligermodels.verify", "usage: python -m ligermodels.verify")):
         res = _run(["-m", module, "--help"], tmp_path, _test_only_modules())
         assert res.returncode == 0 and usage in res.stdout, (module, res.stderr[-4000:])
 
@@ -115,7 +116,7 @@ def test_a_checkpoint_saves_and_resumes_without_the_test_only_packages(tmp_path)
         assert [int(re.search(r'"step": (\d+)', line)[1]) for line in f] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("module", ["ligermodels.train", "checkpoints_tools"])
+@pytest.mark.parametrize("module", ["ligermodels.train", "ligermodels.verify"])
 def test_a_missing_runtime_dependency_is_one_error_line_naming_it(tmp_path, module):
     res = _run(["-m", module, "--help"], tmp_path, ["tokenizers"])
     assert res.returncode == 2

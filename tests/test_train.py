@@ -26,46 +26,42 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import ligermodels.train as train_module
+import ligermodels.train.cuda_graph as cuda_graph_module
+import ligermodels.train.parallelize as parallelize_module
 from kernels import AdamW
 from ligermodels import LigerLlama, document_ids_from_positions
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.config import DecoderConfig
-from ligermodels.data import (
+from ligermodels.train import TrainConfig, TrainError, parse_args
+from ligermodels.train.checkpointing import RESUME_FLAGS, check_out_dir, check_resume
+from ligermodels.train.cuda_graph import check_cuda_graph
+from ligermodels.train.data import (
     IGNORE_INDEX,
     DataError,
     Example,
     PackedRows,
+    load_inputs,
     read_jsonl,
     special_token_ids,
     tokenize,
 )
-from ligermodels.demo_corpus import build_tokenizer, corpus, save_tokenizer
-from ligermodels.train import (
-    RESUME_FLAGS,
-    TrainError,
-    _metrics_up_to,
+from ligermodels.train.demo import build_tokenizer, corpus, save_tokenizer
+from ligermodels.train.metrics import metrics_up_to
+from ligermodels.train.parallelize import (
     apply_activation_checkpointing,
-    check_cuda_graph,
-    check_out_dir,
-    check_resume,
     device_memory_bytes,
-    exposed_us,
-    idle_by_launch_site,
     init_device,
     load_full_state,
-    load_inputs,
     loss_strategy,
     lr_factor,
-    memory_at_peak,
-    parse_args,
-    union_us,
 )
+from ligermodels.train.profiling import exposed_us, idle_by_launch_site, memory_at_peak, union_us
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
@@ -138,7 +134,8 @@ def run_one(checkpoint, data, workdir):
 @pytest.fixture(scope="module")
 def run_two(checkpoint, data, workdir):
     out = workdir / "two"
-    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "2", "--ac", "full"], nproc=2)
+    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "2", "--ac", "full",
+                  "--report-to", "tensorboard"], nproc=2)
     assert res.returncode == 0, res.stderr[-4000:]
     return out
 
@@ -158,7 +155,7 @@ def run_resumed(checkpoint, data, workdir, run_two):
     (out / "checkpoints" / "step_00000006.tmp").mkdir()
     (out / "checkpoints" / "step_00000006.tmp" / ".metadata").write_text("truncated")
     res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "2", "--ac", "selective",
-                  "--resume"], nproc=2)
+                  "--report-to", "tensorboard", "--resume"], nproc=2)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stdout and "step_00000002" in res.stdout
     return out
@@ -314,14 +311,12 @@ def test_lora_training_trains_the_adapters_only_and_exports_a_peft_adapter(runs_
 def test_lora_on_one_rank_in_bf16_allocates_the_frozen_base_in_bf16(checkpoint, data, workdir):
     """One rank, bf16 compute, LoRA: the frozen base is built in bf16 (never an fp32 copy on the device) and the
     adapters in fp32; the run trains, and its first loss is the loss of the base rounded to bf16 once."""
-    import argparse
-
     from ligermodels import AutoLigerModel
-    from ligermodels.train import build_model, build_optimizer, load_inputs, parse_args
+    from ligermodels.train.parallelize import build_model, build_optimizer
 
     out = workdir / "lora-bf16"
     args = parse_args([*_flags(checkpoint, data, out), "--dtype", "bf16", "--lora-rank", "4", "--save-every", "0"])
-    assert isinstance(args, argparse.Namespace)
+    assert isinstance(args, TrainConfig)
     torch.distributed.init_process_group("gloo", init_method=f"file://{workdir / 'lora-bf16.store'}", rank=0,
                                          world_size=1)  # a file store: no port to collide with another run
     try:
@@ -385,6 +380,25 @@ def test_resume_reproduces_the_uninterrupted_run(run_two, run_resumed):
     assert sorted(os.listdir(run_resumed / "checkpoints")) == ["step_00000002", "step_00000004"]
 
 
+def test_tensorboard_scalars_are_the_metrics_lines_and_a_resume_replaces_the_steps_past_its_checkpoint(
+        run_two, run_resumed):
+    """--report-to tensorboard: every metrics.jsonl value (mfu is null on the CPU) as a scalar train/<name> per
+    step; the resumed copy of the run (cut back to step 2, its events of steps 3-4 still on disk) reads as one
+    run of steps 1-4, the resumed run's own."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for run in (run_two, run_resumed):
+        events = EventAccumulator(str(run / "tensorboard"))
+        events.Reload()
+        assert set(events.Tags()["scalars"]) == {"train/loss", "train/lr", "train/grad_norm", "train/tokens",
+                                                 "train/tokens_per_s", "train/peak_mem_gb"}
+        metrics = _metrics(run)
+        for name in ("loss", "lr", "grad_norm", "tokens"):
+            scalars = events.Scalars(f"train/{name}")
+            assert [e.step for e in scalars] == [m["step"] for m in metrics] == [1, 2, 3, 4], (run, name)
+            assert [e.value for e in scalars] == pytest.approx([m[name] for m in metrics], rel=1e-6), (run, name)
+
+
 def test_checkpoint_layout(run_two):
     ckpt = run_two / "checkpoints" / "step_00000002"
     files = set(os.listdir(ckpt))
@@ -395,6 +409,29 @@ def test_checkpoint_layout(run_two):
              "steps": 4, "weight_decay": 0.1, "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0,
              "lora_targets": "q,k,v,o,gate,up,down"}
     assert {key: state[key] for key in RESUME_FLAGS} == flags
+
+
+def test_the_python_api_takes_the_command_lines_steps(checkpoint, data, workdir, run_one):
+    """train(TrainConfig(...)) in this process (a process group of its own, torn down after) takes the steps of
+    the same flags on the command line (run_one), within fp32 rounding (the kernels here run in Triton's
+    interpreter, the child's in PyTorch); the config is frozen."""
+    from ligermodels.train import train
+
+    out = workdir / "python-api"
+    config = TrainConfig(model=checkpoint, data=data, out=str(out), seq_len=32, batch_size=2, grad_accum=2, steps=4,
+                         lr=1e-2, warmup_steps=1, dtype="fp32", device="cpu", save_every=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0
+    assert train(config) == str(out / "final")
+    assert not torch.distributed.is_initialized()
+    for a, b in zip(_metrics(run_one), _metrics(out), strict=True):
+        assert (a["step"], a["tokens"], a["lr"]) == (b["step"], b["tokens"], b["lr"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    w1, w2 = _weights(run_one), _weights(out)
+    for k in w1:
+        assert _rel(w2[k], w1[k]) <= 1e-5, k
+    with pytest.raises(TrainError, match="give both --model and --data"):
+        TrainConfig(model=checkpoint, out=str(out))
 
 
 def test_hf_export_loads_in_transformers_with_equal_logits(run_two):
@@ -501,29 +538,31 @@ def _resume_args(**changes):
                                          ("seq-len", "16"), ("seed", "1")])
 def test_check_resume_refuses_each_changed_flag(flag, value):
     state = {key: getattr(_resume_args(), key) for key in RESUME_FLAGS}
-    check_resume(state, _resume_args(), "ckpt")  # the same flags resume
+    check_resume(state, _resume_args(), {}, "ckpt")  # the same flags resume
     with pytest.raises(TrainError, match=f"ckpt was written with --{flag} .*got {value}"):
-        check_resume(state, _resume_args(**{flag: value}), "ckpt")
+        check_resume(state, _resume_args(**{flag: value}), {}, "ckpt")
 
 
 def test_check_resume_lets_steps_change_under_the_constant_schedule():
     state = {key: getattr(_resume_args(**{"lr-schedule": "constant"}), key) for key in RESUME_FLAGS}
-    check_resume(state, _resume_args(**{"lr-schedule": "constant", "steps": 8}), "ckpt")
+    check_resume(state, _resume_args(**{"lr-schedule": "constant", "steps": 8}), {}, "ckpt")
 
 
 def test_resume_keeps_the_runs_default_warmup_when_steps_change():
-    """A 4-step run fitted the default warmup to 4; resumed with --steps 8 and no --warmup-steps, it keeps 4."""
-    first = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "4", "--lr-schedule", "constant"])
+    """A 4-step run fitted the default warmup to 4; resumed with --steps 8 and no --warmup-steps, it keeps 4.
+    The config is resolved once (the default warmup from the checkpoint) and then only checked."""
+    first = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "4", "--lr-schedule",
+                        "constant"]).resolved(max_position_embeddings=64)
     state = {key: getattr(first, key) for key in RESUME_FLAGS}
     assert state["warmup_steps"] == 4
     again = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "8", "--lr-schedule", "constant",
-                        "--resume"])
-    check_resume(state, again, "ckpt")
+                        "--resume"]).resolved(64, state)
+    check_resume(state, again, {}, "ckpt")
     assert again.warmup_steps == 4
     explicit = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "8", "--lr-schedule",
-                           "constant", "--warmup-steps", "8", "--resume"])
+                           "constant", "--warmup-steps", "8", "--resume"]).resolved(64, state)
     with pytest.raises(TrainError, match="--warmup-steps 4"):
-        check_resume(state, explicit, "ckpt")
+        check_resume(state, explicit, {}, "ckpt")
 
 
 def test_check_out_dir_refuses_resume_without_a_checkpoint(tmp_path):
@@ -630,8 +669,9 @@ def test_out_of_range_flags_are_refused(capsys, flags, message):
 
 def test_default_warmup_shrinks_to_a_short_run():
     """Only an explicit --warmup-steps above --steps is refused; the default warmup (50) fits a 10-step run."""
-    assert parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "10"]).warmup_steps == 10
-    assert parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--steps", "100"]).warmup_steps == 50
+    run = ["--model", "m", "--data", "d.jsonl", "--out", "o"]
+    assert parse_args([*run, "--steps", "10"]).resolved(64).warmup_steps == 10
+    assert parse_args([*run, "--steps", "100"]).resolved(64).warmup_steps == 50
 
 
 def test_edge_values_of_flags_are_accepted():
@@ -790,13 +830,13 @@ def test_selective_checkpointing_keeps_our_attention_and_rotary_outputs(op):
     again; the norms and activations around them are recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from ligermodels.train import _selective_policy
+    from ligermodels.train.parallelize import selective_policy
 
-    assert _selective_policy(None, getattr(torch.ops.ligermodels, op).default) == CheckpointPolicy.MUST_SAVE
-    assert _selective_policy(None, torch.ops.ligermodels.rms_norm_fwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert selective_policy(None, getattr(torch.ops.ligermodels, op).default) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, torch.ops.ligermodels.rms_norm_fwd.default) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# --------------------------------------------------------------------------- review fixes (session 8)
+# --------------------------------------------------------------------------- overwrite, divergence, resume inputs
 def test_overwrite_with_a_bad_input_leaves_the_previous_run_in_place(capsys, tmp_path, checkpoint, data, run_two):
     out = tmp_path / "two"
     shutil.copytree(run_two, out)
@@ -829,33 +869,33 @@ def test_a_diverging_run_stops_with_strict_json_metrics_and_no_export(capsys, tm
 def test_resume_reads_metrics_up_to_a_line_cut_short(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n\n{"step": 3, "loss": 1.2}\n{"step": 4, "lo')
-    assert _metrics_up_to(str(path), 2) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
-    assert len(_metrics_up_to(str(path), 9)) == 3  # the cut line and what would follow it are dropped
+    assert metrics_up_to(str(path), 2) == ['{"step": 1, "loss": 2.0}\n', '{"step": 2, "loss": 1.5}\n']
+    assert len(metrics_up_to(str(path), 9)) == 3  # the cut line and what would follow it are dropped
 
 
 def test_check_resume_refuses_a_checkpoint_past_steps_and_other_inputs(tmp_path):
     args = _resume_args(**{"lr-schedule": "constant", "steps": 2})
-    args.resume_inputs = {"data_sha256": "aa", "model_sha256": "bb", "data_documents": 300, "data_tokens": 6399,
-                          "global_rows": 4}
+    inputs = {"data_sha256": "aa", "model_sha256": "bb", "data_documents": 300, "data_tokens": 6399, "global_rows": 4}
     state = {**{key: getattr(args, key) for key in RESUME_FLAGS}, "step": 3}
     with pytest.raises(TrainError, match="at step 3, past --steps 2"):
-        check_resume(state, args, "ckpt")
-    state.update(step=2, model="elsewhere/model", data="moved.jsonl", **args.resume_inputs)
-    check_resume(state, args, "ckpt")  # paths may differ (a moved run or data file): the values decide
-    check_resume({k: v for k, v in state.items() if k not in args.resume_inputs}, args, "ckpt")  # older checkpoint
-    older = {k: v for k, v in state.items() if k not in ("data_sha256", "model_sha256")}  # counts only (1d61a05)
+        check_resume(state, args, inputs, "ckpt")
+    state.update(step=2, model="elsewhere/model", data="moved.jsonl", **inputs)
+    check_resume(state, args, inputs, "ckpt")  # paths may differ (a moved run or data file): the values decide
+    check_resume({k: v for k, v in state.items() if k not in inputs}, args, inputs, "ckpt")  # older checkpoint
+    older = {k: v for k, v in state.items() if k not in ("data_sha256", "model_sha256")}  # counts only
     with pytest.raises(TrainError, match="tokens in --data.* = 6099; this run has 6399"):
-        check_resume({**older, "data_tokens": 6099}, args, "ckpt")
+        check_resume({**older, "data_tokens": 6099}, args, inputs, "ckpt")
     for key, value, what in [("data_sha256", "cc", "the tokenized --data"), ("model_sha256", "dd", "--model's config"),
                              ("global_rows", 8, "--batch-size x ranks x --grad-accum")]:
         with pytest.raises(TrainError, match=f"written for {re.escape(what)}.* = {value}; this run has"):
-            check_resume({**state, key: value}, args, "ckpt")
+            check_resume({**state, key: value}, args, inputs, "ckpt")
 
 
 def test_resume_inputs_tell_shuffled_data_and_another_architecture_apart(checkpoint):
     from checkpoints_tools import read_config
     from ligermodels import config_from_hf
-    from ligermodels.train import Inputs, resume_inputs
+    from ligermodels.train.checkpointing import resume_inputs
+    from ligermodels.train.data import Inputs
 
     tok = build_tokenizer()
     docs = tokenize([Example("", "abc"), Example("", "de")], tok, 2, 3)
@@ -1006,12 +1046,12 @@ def test_memory_at_peak_replays_the_allocator_trace():
 ])
 def test_auto_loss_strategy_keeps_the_faster_head_unless_its_buffer_takes_a_32nd_of_the_device(
         monkeypatch, vocab, hidden, memory_gb, lora, expected):
-    monkeypatch.setattr(train_module, "device_memory_bytes", lambda device: memory_gb * 10**9)
+    monkeypatch.setattr(parallelize_module, "device_memory_bytes", lambda device: memory_gb * 10**9)
     args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--lora-rank", str(lora)])
     config = DecoderConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_layers=1,
                            num_heads=8, num_kv_heads=8)
     assert loss_strategy(args, config, torch.device("cuda")) == expected
-    args.loss_strategy = "tokens"
+    args = dataclasses.replace(args, loss_strategy="tokens")
     assert loss_strategy(args, config, torch.device("cuda")) == "tokens"  # a strategy asked for is kept
 
 
@@ -1109,8 +1149,8 @@ def test_cuda_graph_is_refused_on_several_ranks_in_fp32_and_where_flashattention
     config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                            num_kv_heads=2)
     cuda = torch.device("cuda")
-    args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--device", "cpu"])
-    args.cuda_graph, args.dtype = True, "bf16"
+    # (a TrainConfig with --cuda-graph needs a CUDA device: the flags check_cuda_graph reads, as the run has them)
+    args = types.SimpleNamespace(cuda_graph=True, dtype="bf16", attention="documents")
     with pytest.raises(TrainError, match="--cuda-graph runs on one rank"):
         check_cuda_graph(args, config, world=2, device=cuda)
     args.dtype = "fp32"
@@ -1159,8 +1199,6 @@ def test_graphed_step_captures_tensor_learning_rates_and_gives_the_schedule_back
     """The capture sees each group's lr as a device tensor (so a replay reads the schedule's value) and
     capturable=True; afterwards the groups hold floats again, which every call copies into those tensors; the
     documents' bounds are padded to batch x --graph-documents sequences, and a batch with more runs eagerly."""
-    import ligermodels.train as train_mod
-
     captured = {}
 
     class FakeGraph:
@@ -1174,12 +1212,12 @@ def test_graphed_step_captures_tensor_learning_rates_and_gives_the_schedule_back
             captured["calls"] = captured.get("calls", 0) + 1
             return torch.tensor(1.0)
 
-    monkeypatch.setattr(train_mod, "CUDAGraphStep", FakeGraph)
+    monkeypatch.setattr(cuda_graph_module, "CUDAGraphStep", FakeGraph)
     p = torch.nn.Parameter(torch.zeros(3))
     optimizer = AdamW([{"params": [p]}, {"params": [], "lr": 0.5}], lr=0.1)
     args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--device", "cpu", "--batch-size", "2",
                        "--seq-len", "6", "--graph-documents", "3"])
-    graphed = train_mod.GraphedStep(None, optimizer, args, torch.device("cpu"))
+    graphed = cuda_graph_module.GraphedStep(None, optimizer, args, torch.device("cpu"))
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
     batch = (torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 6, dtype=torch.long), positions)
     inputs = graphed.inputs(batch, torch.tensor(12))
@@ -1237,7 +1275,7 @@ def _one_rank_against_two(case: str, data: str, workdir, device: str, bounds: tu
 
 @pytest.mark.parametrize("case", NEW_FAMILIES)
 def test_new_families_train_the_same_steps_on_one_rank_and_on_two_fsdp_ranks(case, data, workdir):
-    """Issue 19's families through the CLI on the CPU (gloo)."""
+    """Qwen3, Gemma 2 and 3, GLM-4 and Phi-3 (partial rotary) through the CLI on the CPU (gloo)."""
     _one_rank_against_two(case, data, workdir, "cpu", (1e-5, 1e-4, 1e-5))
 
 

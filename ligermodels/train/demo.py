@@ -1,4 +1,5 @@
-"""The built-in demo: a corpus, a tokenizer and a tiny Llama config, all made here, with no download.
+"""The built-in demo: a corpus, a tokenizer and a tiny Llama config, all made here, with no download, and the
+greedy completions and addition score it prints at the end.
 
 The corpus mixes two things a small model visibly learns within a few hundred steps:
 
@@ -16,7 +17,10 @@ import json
 import os
 import random
 
+import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from ligermodels.model import CausalLM
 
 SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 ALPHABET = " 0123456789abcdefghijklmnopqrstuvwxyz.,+=?!'-"
@@ -113,3 +117,23 @@ def write_demo(directory: str, n: int = 20000, seed: int = 0) -> tuple[str, str]
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in corpus(n, seed))
     return model_dir, data
+
+
+def greedy_complete(model: CausalLM, tokenizer: Tokenizer, prompt: str, bos: int | None, eos: int | None,
+                    max_new_tokens: int = 24) -> str:
+    """The greedy continuation of ``prompt`` (BOS added as in training), up to EOS, as text."""
+    ids = ([bos] if bos is not None else []) + tokenizer.encode(prompt, add_special_tokens=False).ids
+    prompt_ids = torch.tensor([ids], device=model.head_weight.device)
+    out = model.generate(prompt_ids, max_new_tokens, eos_token_id=eos)[0, len(ids):].tolist()
+    return tokenizer.decode(out[:out.index(eos)] if eos in out else out)
+
+
+def print_completions(model: CausalLM, tokenizer: Tokenizer, bos: int | None, eos: int | None) -> None:
+    """The demo's last lines: greedy completions of :data:`SAMPLE_PROMPTS`, then the score on 100 additions."""
+    print("greedy completions from the exported checkpoint:")
+    for prompt in SAMPLE_PROMPTS:
+        print(f"  {prompt!r} -> {greedy_complete(model, tokenizer, prompt, bos, eos)!r}")
+    tests = addition_tests(100)
+    right = sum(greedy_complete(model, tokenizer, prompt, bos, eos, max_new_tokens=4) == answer
+                for prompt, answer in tests)
+    print(f"additions answered right: {right}/{len(tests)}")

@@ -34,6 +34,9 @@ start of the next row as a new document. In each row:
 Row ``k`` of the stream depends only on the documents, ``seq_len``, ``seed`` and ``k``: the data
 position of a run is one integer (rows consumed), and a resumed run reads the same rows.
 The tokenized documents live in host memory (sized for fine-tuning sets, not pre-training corpora).
+
+:func:`load_inputs` reads what a run trains on (the model's config, its tokenizer, the data) and checks them
+against each other before any weight is read.
 """
 
 from __future__ import annotations
@@ -43,8 +46,14 @@ import os
 from dataclasses import dataclass
 
 import torch
+from tokenizers import Tokenizer
 
-from ligermodels.config import read_json_object
+from checkpoints_tools import read_config, read_json_object, resolve, safetensors_files
+from ligermodels.config import DecoderConfig
+from ligermodels.families import config_from_hf, family_of
+from ligermodels.model import CausalLM
+from ligermodels.tokenizer import load_tokenizer
+from ligermodels.train.config import TrainConfig, TrainError
 
 IGNORE_INDEX = -100
 
@@ -220,3 +229,37 @@ class PackedRows:
 def count_loss_tokens(labels: torch.Tensor) -> int:
     """Tokens that carry a loss in a (B, S) label batch (the model predicts labels[:, 1:])."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class Inputs:
+    """What a run trains on: the model's config and class, where its weights and tokenizer are, the data."""
+
+    config: DecoderConfig
+    cls: type[CausalLM]
+    weights_dir: str | None  # HF checkpoint to load; None: random init
+    tokenizer_dir: str
+    tokenizer: Tokenizer
+    bos: int | None
+    eos: int | None
+    documents: list[Document]
+
+
+def load_inputs(config: TrainConfig) -> Inputs:
+    """Read the model's config, its tokenizer and the data, and check them against each other; no weights are
+    read (a hub repo's config is checked before anything else downloads)."""
+    model_dir = resolve(config.model_source, check=lambda d: config_from_hf(read_config(d)))
+    model_config = config_from_hf(read_config(model_dir))
+    if not config.random_init:
+        safetensors_files(model_dir)  # fail here, on every rank, rather than on rank 0 alone later
+    tokenizer = load_tokenizer(model_dir)
+    bos, eos = special_token_ids(tokenizer, model_dir)
+    documents = tokenize(read_jsonl(config.data_file), tokenizer, bos, eos)
+    if not any(len(d.ids) > max(d.no_loss, 1) for d in documents):  # a document's first token has no label
+        raise DataError(f"{config.data_file}: no token carries a loss (every completion is empty and no EOS is added)")
+    top = max((max(d.ids) for d in documents if d.ids), default=-1)
+    if top >= model_config.vocab_size:
+        raise TrainError(f"the tokenizer produced id {top}, outside the model's vocab_size {model_config.vocab_size}")
+    cls = family_of(model_config.model_type).cls
+    return Inputs(model_config, cls, None if config.random_init else model_dir, model_dir, tokenizer, bos, eos,
+                  documents)

@@ -1,0 +1,308 @@
+"""How a model is laid out for training: processes, activation checkpointing, FSDP2, the optimiser and its
+schedule, and the loss head.
+
+As torchtitan's ``parallelize``, everything here is applied to the model from outside: the decoder code knows
+nothing of sharding or checkpointing.
+
+One rank has nothing to shard or reduce: the model stays a plain module, and :func:`build_optimizer` moves its
+fp32 weights into the optimiser as masters and casts the parameters to bf16 once (the numbers are those of
+FSDP2's cast, without its per-layer casts, copies and hooks). Several ranks: FSDP2 keeps the fp32 shards and
+computes in bf16 (each layer's weights cast as they are gathered, gradients reduced in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from checkpoints_tools import CheckpointError
+from kernels import AdamW
+from ligermodels.blocks import MLP, RMSNorm
+from ligermodels.config import DecoderConfig
+from ligermodels.families import UnsupportedConfigError
+from ligermodels.hf_io import load_hf
+from ligermodels.lora import add_lora
+from ligermodels.model import CausalLM
+from ligermodels.train.config import TrainConfig, TrainError
+from ligermodels.train.data import Inputs
+
+
+# ------------------------------------------------------------------------------------------ processes
+def setup_distributed(device_type: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device) in the process group: torchrun's (NCCL on cuda, gloo on cpu), or
+    one of a single process; a group that already exists is joined as it is."""
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if dist.is_initialized():
+        pass
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:  # plain `python -m ligermodels.train`: a group of one, no network
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# ------------------------------------------------------------------------------------------ model
+#: Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest is recomputed.
+SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward")  # the last: packed documents and windows (ligermodels.attention)
+    if hasattr(torch.ops.aten, name)}
+if hasattr(torch.ops, "higher_order") and hasattr(torch.ops.higher_order, "flex_attention"):
+    SAVED_OPS.add(torch.ops.higher_order.flex_attention)
+# The rotary embedding rotates the saved q/k/v projection output in place, so the cached output
+# already holds the rotated values: "saving" the in-place op means not running it a second time.
+SAVED_OPS.add(torch.ops.ligermodels.rope_qkv_.default)
+SAVED_OPS.add(torch.ops.ligermodels.qk_norm_rope_qkv_.default)  # the same in place, with q/k head norms (Qwen3)
+SAVED_OPS.add(torch.ops.ligermodels.doc_attention_fwd.default)  # our attention (documents, windows, soft-capping)
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective activation checkpointing: keep the outputs of :data:`SAVED_OPS`, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
+    """Wrap each decoder layer: "full" recomputes it in backward, "selective" recomputes all but matmuls/attention.
+
+    The wrapped layers' norms and MLP then keep their outputs for backward (``RMSNorm.keep_output``,
+    ``MLP.keep_activation``) instead of writing them again there: inside a checkpoint nothing saved
+    outlives the layer's own backward, so recomputing them a second time would cost time for a saving
+    of at most two (B, S, H) tensors during one layer's backward.
+    """
+    if mode == "none":
+        return
+    kwargs = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts, selective_policy)}
+    for i, layer in enumerate(model.layers):
+        for m in layer.modules():
+            if isinstance(m, RMSNorm):
+                m.keep_output = True
+            elif isinstance(m, MLP):
+                m.keep_activation = True
+        model.layers[i] = checkpoint_wrapper(layer, **kwargs)
+
+
+def lora_options(config: TrainConfig) -> dict:
+    """``add_lora``'s arguments from the --lora-* flags."""
+    return dict(r=config.lora_rank, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                targets=config.lora_targets.split(","))
+
+
+def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, device: torch.device) -> CausalLM:
+    """The model with fp32 weights: FSDP2-sharded over the ranks when there are several.
+
+    Rank 0 alone reads the checkpoint on the host (or draws the from-scratch init from ``--seed``, on
+    :func:`init_device`); every rank builds the model on the meta device, shards it, allocates its shards
+    and receives them from rank 0, one tensor at a time (:func:`load_full_state`). So the start is the same
+    for any number of ranks, and host memory holds at most one full copy, not one per rank.
+
+    Several ranks: FSDP2 (:func:`shard`); one rank: a plain module (see the module docstring). With LoRA on
+    one rank the frozen base is allocated in bf16 from the start (it has no master).
+    """
+    full_state, error = {}, None
+    if rank == 0:
+        try:
+            if inputs.weights_dir is not None:
+                host = load_hf(inputs.weights_dir, dtype=torch.float32, device="cpu")
+            else:
+                torch.manual_seed(config.seed)
+                with torch.device(init_device(inputs.config, device)):
+                    host = inputs.cls(inputs.config).init_weights()
+            if config.lora_rank:  # the adapters' init (A random, B zero) drawn here, once, from --seed
+                torch.manual_seed(config.seed)
+                add_lora(host, **lora_options(config))
+            full_state = host.state_dict()
+            del host
+        except (CheckpointError, UnsupportedConfigError) as e:
+            error = str(e)
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)  # a bad checkpoint stops every rank, not rank 0 alone
+    if errors[0]:
+        raise TrainError(errors[0])
+
+    with torch.device("meta"):
+        model = inputs.cls(inputs.config)
+        if config.lora_rank:
+            add_lora(model, **lora_options(config))
+    apply_activation_checkpointing(model, config.ac)
+    if world == 1 and config.dtype == "bf16" and config.lora_rank:
+        # The frozen base computes in bf16 and has no master: allocated in bf16 at once, so the device never
+        # holds its fp32 copy (30 GB at 7.6B parameters); the adapters stay fp32.
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
+    if config.compile:  # each layer's forward (the checkpoint included); FSDP's hooks stay outside, in eager
+        # The first layer stores the attention mask it builds in the AttentionMask all layers share. Inside a
+        # checkpoint dynamo would break the graph there (eager recomputation replays the store); the recompute
+        # finds the mask stored either way, so the store need not be replayed.
+        if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        for layer in model.layers:
+            layer.forward = torch.compile(layer.forward)
+    if world > 1:
+        shard(model, config, world, device)
+    model.to_empty(device=device)
+    load_full_state(model, full_state, rank, world, device)
+    model.init_buffers()
+    return model.train()
+
+
+def init_device(config: DecoderConfig, device: torch.device) -> torch.device:
+    """Where rank 0 draws a from-scratch init: the GPU when the fp32 model takes at most half its free memory
+    (2.5B parameters: seconds there against about half a minute on the host), else the host. The numbers
+    differ between the two (each has its own generator), but not with the number of ranks."""
+    if device.type == "cuda" and 4 * config.num_params() <= torch.cuda.mem_get_info(device)[0] // 2:
+        return device
+    return torch.device("cpu")
+
+
+@torch.no_grad()
+def load_full_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor], rank: int, world: int,
+                    device: torch.device) -> None:
+    """Rank 0's full state dict (host or device tensors) into every rank's model (FSDP2 shards or whole
+    tensors), one tensor at a time: each is cast to the parameter's dtype on ``device``, broadcast from rank 0
+    and copied into the local shard. So the device holds one full tensor beyond the model at any moment;
+    ``set_model_state_dict(..., broadcast_from_rank0=True)`` kept every received full tensor until the end,
+    a whole fp32 copy of the model (30 GB at 7.6B parameters, the peak of a LoRA run on one H100).
+
+    ``full_state``'s keys must be those of ``model.state_dict()`` (rank 0 checks; other ranks pass {})."""
+    targets = model.state_dict(keep_vars=True)
+    error = None
+    if rank == 0 and set(full_state) != set(targets):
+        missing, extra = sorted(set(targets) - set(full_state)), sorted(set(full_state) - set(targets))
+        error = f"the initial weights do not fit the model: missing {missing[:5]}, unexpected {extra[:5]}"
+    errors = [error]
+    if world > 1:
+        dist.broadcast_object_list(errors, src=0)  # every rank stops, none waits in a broadcast
+    if errors[0]:
+        raise TrainError(errors[0])
+    for name, target in targets.items():
+        if rank == 0:
+            full = full_state[name].to(device=device, dtype=target.dtype)
+        else:
+            full = torch.empty(target.shape, dtype=target.dtype, device=device)
+        if world > 1:
+            dist.broadcast(full, src=0)
+        if isinstance(target, DTensor):
+            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.copy_(full)
+        del full
+
+
+def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device) -> None:
+    """FSDP2 over ``world`` ranks: one unit per decoder layer, one for an untied output head, the root holding
+    the embedding (with a tied head) and the final norm.
+
+    bf16 compute with fp32 gradient reduction; the cos/sin tables stay fp32 (layer inputs are not cast).
+    The head is a unit of its own so that its gradient (a (V, H) fp32 reduce-scatter, 2.1 GB at Llama-3's
+    128k vocabulary) is reduced under the layers' backward; in the root it waited for the end of backward.
+    ``--reshard-after-forward`` picks which layers free their gathered weights after forward (by default
+    all but the last, whose backward starts at once; the head never); ``--prefetch N`` makes each unit
+    all-gather the next N (in forward order, and in backward in reverse) as soon as its own gather is
+    issued, instead of FSDP2's implicit prefetching (one unit ahead in backward; in forward, a unit's
+    gather is issued when the host reaches it).
+    """
+    mesh = init_device_mesh(device.type, (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if config.dtype == "bf16" else None,
+                              reduce_dtype=torch.float32, cast_forward_inputs=False)
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        reshard = {"default": i < len(layers) - 1, "always": True, "never": False}[config.reshard_after_forward]
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    units = layers
+    if model.head is not None:
+        fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        register_fsdp_forward_method(model.head, "loss")  # the loss head calls loss(), not forward()
+        units = [*layers, model.head]
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
+    if config.prefetch:
+        n = config.prefetch
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + n])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - n):i][::-1])
+
+
+# ------------------------------------------------------------------------------------------ optimiser
+def build_optimizer(model: CausalLM, config: TrainConfig, world: int) -> AdamW:
+    """AdamW with weight decay on matrices only: ``kernels.AdamW`` (the Triton update on each rank's shards;
+    torch's AdamW on the CPU). Its state dict is torch's AdamW's.
+
+    One rank computing in bf16 (see :func:`build_model`): the fp32 parameters become the optimiser's
+    masters and the parameters bf16 (``AdamW.init_master_weights_``); each step updates the masters
+    and writes the bf16 weights the next forward uses. With LoRA only the adapters are trained (fp32,
+    no master needed); the frozen base is bf16 from :func:`build_model` on.
+    """
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters only
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+    if world == 1 and config.dtype == "bf16" and not config.lora_rank:  # (LoRA: the base is bf16 already)
+        optimizer.init_master_weights_(torch.bfloat16)
+    return optimizer
+
+
+#: ``--loss-strategy auto`` takes "vocab" where the "tokens" strategy's fp32 (V, H) weight-gradient buffer would
+#: take at least this share of the device's memory, else "tokens". The buffer lives through the loss head's forward,
+#: where every layer's activations are alive (dW is then held in bf16 until backward); "vocab" costs one more head
+#: GEMM instead. Measured on an H100 (benchmarks/results/experiments/train-NVIDIA_H100_80GB_HBM3-2026-11-26-strat.json),
+#: before the split accumulator of kernels.cross_entropy (FLCE_SPLIT_MIN_CHUNK): Gemma-2-2B b4,
+#: whose buffer is 2.2 GiB (256000 x 2304), ran 288.5 ms a step with "vocab" and 277.3 with "tokens" (3.9% faster)
+#: for 1.8 GB more at the peak (47.8 -> 49.6 GB). At 1/32 an 80 GB GPU keeps "tokens" up to a 2.5 GiB buffer
+#: (Gemma's 256k vocabulary at hidden 2048-2304, Llama-3-8B's 128k x 4096: 1.96 GiB), a 24 GB one up to 0.7 GiB.
+AUTO_VOCAB_SHARE = 1 / 32
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's memory in bytes: a GPU's total, or the host's physical memory for the CPU (where the OS
+    does not say, 2**40: the loss head then takes "tokens", the faster)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows), or no such name
+        return 2**40
+
+
+def auto_loss_strategy(vocab_size: int, hidden_size: int, device: torch.device) -> str:
+    """``--loss-strategy auto`` for a trained (vocab_size, hidden_size) head on ``device``: "vocab" where the
+    "tokens" strategy's fp32 weight-gradient buffer takes :data:`AUTO_VOCAB_SHARE` of the device's memory."""
+    buffer = 4 * vocab_size * hidden_size
+    return "vocab" if buffer >= AUTO_VOCAB_SHARE * device_memory_bytes(device) else "tokens"
+
+
+def loss_strategy(config: TrainConfig, model: DecoderConfig, device: torch.device) -> str:
+    """The loss head's strategy for ``--loss-strategy`` (``auto``: :func:`auto_loss_strategy`) on ``model``;
+    LoRA freezes the head, which then has no weight-gradient buffer and takes "tokens"."""
+    if config.loss_strategy != "auto":
+        return config.loss_strategy
+    return "tokens" if config.lora_rank else auto_loss_strategy(model.vocab_size, model.hidden_size, device)
+
+
+def lr_factor(i: int, schedule: str, warmup: int, steps: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr at update ``i`` (0-based): linear warmup, then cosine/linear/constant."""
+    if i < warmup:
+        return (i + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (i - warmup) / max(1, steps - warmup)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * progress
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
