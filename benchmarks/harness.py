@@ -30,6 +30,8 @@ import functools
 import json
 import os
 import platform
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -190,7 +192,12 @@ def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:
 
 
 def environment() -> dict:
-    """GPU name and software versions recorded in every results file."""
+    """GPU name, software versions, the command and the commit recorded in every results file.
+
+    ``commit``: ``LIGERMODELS_COMMIT`` when set (a GPU machine gets a copy of the tree without .git), else
+    ``git rev-parse HEAD`` with ``+dirty`` when tracked files changed, else ``"unknown"``."""
+    main = sys.modules["__main__"]
+    module = getattr(getattr(main, "__spec__", None), "name", None) or os.path.basename(sys.argv[0])
     env = {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "date": datetime.date.today().isoformat(),
@@ -203,7 +210,20 @@ def environment() -> dict:
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
+    env["command"] = " ".join(["python", "-m", module, *sys.argv[1:]])
+    env["commit"] = os.environ.get("LIGERMODELS_COMMIT") or _git_commit()
     return env
+
+
+def _git_commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        git = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True, check=True, timeout=30)
+        head = git(["git", "rev-parse", "HEAD"]).stdout.strip()
+        dirty = git(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> str:

@@ -223,13 +223,14 @@ def test_tiny_run_of_ours_writes_its_row_and_skips_titan_and_absent_gpus(tmp_pat
 
 
 def test_report_renders_a_scaling_file_with_its_targets():
-    """The README's many-GPU table: each run's per-GPU rate against its own one-GPU rate, a failed run named as
-    failed, and the targets of bench_scale's checks."""
+    """The many-GPU table: each run's per-GPU rate against its own one-GPU rate, a failed run named as failed,
+    the targets of bench_scale's checks, and the file's command, commit and notes under it."""
     from benchmarks import report
 
     rows = [_row("ours", 1, 100.0, 40.0), _row("ours", 2, 90.0, 30.0), _row("titan+compile", 1, 80.0, 42.0),
             _row("titan+compile", 2, 78.0, 25.0), {**_row("ours+compile", 2, 0.0, 0.0), "error": "exit 1"}]
     d = {"gpu": "H100", "torch": "2.11", "triton": "3.6", "date": "2026-12-01", "_file": "scale.json",
+         "command": "python -m benchmarks.bench_scale --gpus 1 2", "commit": "0123456789abcdef0123456789abcdef01234567",
          "model": "Llama-3.1-8B shape, 8 layers, random init",
          "settings": {"batch_size": 1, "seq_len": 8192, "steps": 12, "warmup_steps_dropped": 4, "attention": "causal"},
          "targets": bs.TARGETS, "checks": bs.targets(rows), "rows": rows, "notes": ["a note"]}
@@ -239,4 +240,6 @@ def test_report_renders_a_scaling_file_with_its_targets():
     assert "| 1:selective | ours | 1.250 | 0.952 | holds |" in text
     assert "| 2:selective | ours | 1.154 | 1.200 | **misses** |" in text
     assert "ours:selective on 2 GPUs 0.900 (misses); titan+compile:selective on 2 GPUs 0.975 (holds)" in text
-    assert "Note (`scale.json`): a note" in text
+    source = text.split("Sources:")[1].strip()
+    assert source == ("- `scale.json`: `python -m benchmarks.bench_scale --gpus 1 2` on H100 (torch 2.11, triton 3.6), "
+                      "commit `0123456`, 2026-12-01. a note")

@@ -310,7 +310,7 @@ def test_peft_model_and_trainer_on_the_same_base(tiny, reference_kernels):
     assert (good, bad) == (1, 2)
 
 
-# ------------------------------------------------------------------------------------------ the README's table
+# ------------------------------------------------------------------------------------------ the report's tables
 def test_report_renders_the_lora_runs(tmp_path, monkeypatch):
     """Rows, checks and max-batch entries of two files: the newer one's shapes and searches win."""
     from benchmarks import report
@@ -341,7 +341,7 @@ def test_report_renders_the_lora_runs(tmp_path, monkeypatch):
 
 def test_report_keeps_a_shapes_comparison_and_lists_newer_runs_without_a_trainer_apart(tmp_path, monkeypatch):
     """A newer file that ran ligermodels.train alone at a shape does not replace the older file's comparison
-    with the Trainer there: its rows go to the table of runs without a Trainer, with the same lease's cost of
+    with the Trainer there: its rows go to the table of runs without a Trainer, with the same run's cost of
     attending within documents and the ratio to the comparison's fastest Trainer."""
     from benchmarks import report
 
@@ -369,7 +369,7 @@ def test_report_keeps_a_shapes_comparison_and_lists_newer_runs_without_a_trainer
         [("m", "ligermodels"), ("m", "ligermodels-causal"), ("n", "ligermodels")]
     text = report.loop_only_table(alone_runs, compared)
     assert "| m | 4 | `python -m ligermodels.train` | 110 | 30.0 | 1.375 (hf+compile) |" in text
-    assert "| m | 4 | cost of attending within documents (same lease) | 0.100 | | |" in text
+    assert "| m | 4 | cost of attending within documents (same run) | 0.100 | | |" in text
     assert "| n | 4 | `python -m ligermodels.train` | 50 | 30.0 | - |" in text
 
 

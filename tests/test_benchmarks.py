@@ -1,14 +1,21 @@
 """The benchmark definitions that can be checked without a GPU: the end-to-end model shapes (benchmarks/bench_e2e.py
 MODELS) describe the same model to ligermodels and to transformers, the flop count, the transformers attention
 each family needs, the eager baselines of the rope-variant kernel cases compute what our ops compute, the attention
-benchmark's rows at a soft-capped shape, and the README's tables read the newest results file by its recorded date
-and show the transformers attention used, and the one-pass LoRA gradient prototype that bench_lora_paths times
-computes what it is timed as."""
+benchmark's rows at a soft-capped shape, the report (docs/performance.md and the README's headline table) reads the
+newest results file by its recorded date, shows the transformers attention used and is what the committed JSON
+generates, every results file records its command and commit and is cited by the docs, and the one-pass LoRA
+gradient prototype that bench_lora_paths times computes what it is timed as."""
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -188,6 +195,69 @@ def test_report_names_a_baselines_attention_when_it_is_not_sdpa():
     """Gemma 2's transformers rows say they attend eagerly, in the end-to-end and the training tables."""
     assert report._e2e_variant({"variant": "compile", "hf_attention": "eager"}) == "compile, eager attention"
     assert report._e2e_variant({"variant": "eager"}) == "eager"
+
+
+def test_the_committed_docs_are_what_the_results_json_generates():
+    """docs/performance.md and the README's headline table equal what benchmarks/report.py generates from
+    benchmarks/results/: after a new results file, run python -m benchmarks.report."""
+    assert report.update(write=False) == []
+    res = subprocess.run([sys.executable, "-m", "benchmarks.report", "--check"], cwd=report.ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_report_check_finds_a_changed_number_and_the_report_restores_it(tmp_path):
+    """A number edited by hand inside a generated block is found (the file named), and the rewrite puts the
+    JSON's number back; text outside the blocks is kept."""
+    for rel in report.TARGETS:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(os.path.join(report.ROOT, rel), tmp_path / rel)
+    readme = tmp_path / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    block = text[text.index("<!-- report:headline -->"):text.index("<!-- /report:headline -->")]
+    number = re.search(r"\| (\d{2},\d{3}) \|", block)[1]
+    readme.write_text(text.replace(f"| {number} |", "| 99,999 |", 1) + "\nA line of my own.\n", encoding="utf-8")
+    assert report.update(str(tmp_path), write=False) == ["README.md"]
+    assert report.update(str(tmp_path)) == ["README.md"]
+    again = readme.read_text(encoding="utf-8")
+    assert f"| {number} |" in again and "99,999" not in again and again.endswith("A line of my own.\n")
+    assert report.update(str(tmp_path), write=False) == []
+    readme.write_text(again.replace("<!-- /report:headline -->", ""), encoding="utf-8")
+    with pytest.raises(ValueError, match="README.md: no <!-- report:headline -->"):
+        report.update(str(tmp_path), write=False)
+
+
+def _results_files() -> list[str]:
+    return sorted(f for f in glob.glob(os.path.join(report.RESULTS, "**", "*"), recursive=True)
+                  if os.path.isfile(f) and not f.endswith(".md"))
+
+
+def test_every_results_file_records_its_command_and_commit():
+    """The report prints each table's command and commit from the file itself."""
+    for path in _results_files():
+        if path.endswith(".json"):
+            with open(path) as f:
+                d = json.load(f)
+            assert d.get("command") and re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", d.get("commit", "")), path
+
+
+def test_every_results_file_is_cited_by_the_docs():
+    """A results file that no doc table or sentence cites does not stay in the tree (git keeps history)."""
+    docs = [os.path.join(report.ROOT, "README.md"), *glob.glob(os.path.join(report.ROOT, "docs", "*.md"))]
+    text = "".join(open(p, encoding="utf-8").read() for p in docs)
+    uncited = [os.path.relpath(p, report.RESULTS) for p in _results_files() if os.path.basename(p) not in text]
+    assert not uncited, uncited
+
+
+def test_docs_and_results_state_facts_not_the_teams_process():
+    """No session, issue or lease numbers in the docs, the results files or the report's text."""
+    paths = [os.path.join(report.ROOT, "README.md"), os.path.join(report.ROOT, "benchmarks", "report.py"),
+             *glob.glob(os.path.join(report.ROOT, "docs", "**", "*"), recursive=True),
+             *glob.glob(os.path.join(report.RESULTS, "**", "*"), recursive=True)]
+    pattern = re.compile(r"\bsessions? [0-9]+|\bissues? #?[0-9]+|\bleases?\b", re.I)
+    found = [f"{os.path.relpath(p, report.ROOT)}: {m[0]}" for p in paths if os.path.isfile(p)
+             for m in [pattern.search(open(p, encoding="utf-8").read())] if m]
+    assert not found, found
 
 
 # ------------------------------------------------------------------------------------ LoRA paths
