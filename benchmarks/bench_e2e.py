@@ -236,8 +236,7 @@ def measure(impl: str, model: str, batch: int, seq: int, steps: int, warmup: int
         step = functools.partial(CUDAGraphStep(fn, opt, ids, ids), ids, ids)
 
     # The steps are queued back to back and read once at the end, as ligermodels.train's loop does: a wait
-    # on each step's end left the device idle while the host queued the next step's first kernels (gemma2-2b
-    # b4 ran 12% slower here than in the loop; superseded/train-NVIDIA_H200-2026-11-26-h200.json).
+    # on each step's end leaves the device idle while the host queues the next step's first kernels.
     events, losses = [], []
     for _ in range(warmup + steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -27,10 +27,6 @@ whatever the caller keeps of x. :func:`kernels.rms_norm_linear` and :func:`kerne
 take a :class:`LowRank` and write their input (the norm output, the GLU activation) again in
 backward, as they do for the weight gradient, so the adapters keep no (M, K) activation of their
 own; :func:`lora_linear` is the same for a plain projection (it keeps x, which dA needs).
-
-An earlier version computed each target's term in fp32 and rounded the sum once: its fp32 copies of
-every (M, width) output slice and gradient made a Llama-3.2-1B LoRA step (batch 8 x 2048, H100) 3x slower
-than full fine-tuning (benchmarks/results/lora-NVIDIA_H100_80GB_HBM3-2026-11-25a.json).
 """
 
 from __future__ import annotations

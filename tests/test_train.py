@@ -1122,7 +1122,7 @@ def test_profile_writes_the_step_budget_and_its_numbers(checkpoint, data, workdi
 def test_profile_on_one_gpu_records_memory_only_without_activation_checkpointing(ac, checkpoint, data, workdir):
     """--profile on one GPU: with --ac none the memory at the peak comes from the allocator's trace; under
     activation checkpointing that trace (with Python stacks) aborted the process on an H100 (torch 2.11,
-    benchmarks/results/superseded/profile-crash-1gpu-selective.log), so it is left out and the run profiles."""
+    benchmarks/results/experiments/profile-crash-1gpu-selective.log), so it is left out and the run profiles."""
     out = workdir / f"profiled-gpu-{ac}"
     flags = [*_flags(checkpoint, data, out), "--steps", "8", "--save-every", "0", "--profile", "--device", "cuda",
              "--dtype", "bf16", "--ac", ac]
