@@ -57,7 +57,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ligermodels.demo_corpus import DEMO_HF_CONFIG, build_tokenizer, corpus, save_tokenizer
+from ligermodels.train.demo import DEMO_HF_CONFIG, build_tokenizer, corpus, save_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 180
@@ -202,15 +202,7 @@ class Scenario:
     nproc: int = 1
     flags: tuple[str, ...] = ()
     crash_rank: int | None = None
-    #: test -> why it fails: what the trainer gets wrong today
-    known: tuple[tuple[str, str], ...] = ()
 
-
-PRUNE_BUG = ("the trainer prunes old checkpoints (--keep-checkpoints) with shutil.rmtree on the committed step_N "
-             "directory: a kill part-way leaves step_N with train_state.json but without some of its files, a "
-             "checkpoint that looks complete to --resume and does not load (or loads without its RNG state)")
-METRICS_BUG = ("a resumed run rewrites metrics.jsonl in place (open 'w', then the kept lines): killed in between, "
-               "it leaves the file empty, and the next --resume keeps no line before the checkpoint")
 
 SCENARIOS = (
     Scenario("inside_a_step", ("backward:5",), 4),
@@ -219,24 +211,15 @@ SCENARIOS = (
     Scenario("after_the_checkpoint_rng_file", ("rng_save:2",), 2),
     Scenario("before_the_checkpoint_rename", ("commit:3",), 4),
     # --keep-checkpoints changes which checkpoints stay, not the numbers: the same uninterrupted run compares
-    Scenario("pruning_an_old_checkpoint", ("prune:1",), 6, kept=(4, 6), flags=("--keep-checkpoints", "2"),
-             known=(("killed", PRUNE_BUG), ("checkpoints", PRUNE_BUG))),
+    Scenario("pruning_an_old_checkpoint", ("prune:1",), 6, kept=(4, 6), flags=("--keep-checkpoints", "2")),
     Scenario("half_way_through_the_export_file", ("export_file:1",), 6),
     Scenario("before_the_export_rename", ("export_commit:1",), 6),
-    Scenario("a_resume_rewriting_metrics", ("backward:5", "metrics_rewrite:1"), 4, known=(("metrics", METRICS_BUG),)),
+    Scenario("a_resume_rewriting_metrics", ("backward:5", "metrics_rewrite:1"), 4),
     Scenario("two_ranks_rank_1_after_its_checkpoint_shards", ("dcp_save:2",), 2, nproc=2, crash_rank=1),
 )
 
 
-def _params(test: str) -> list:
-    """SCENARIOS as pytest params; a known failure of ``test`` is a strict xfail (AssertionError only, so a run
-    that goes wrong otherwise still fails)."""
-    params = []
-    for s in SCENARIOS:
-        reason = dict(s.known).get(test)
-        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
-        params.append(pytest.param(s, id=s.name, marks=marks))
-    return params
+SCENARIO_PARAMS = [pytest.param(s, id=s.name) for s in SCENARIOS]
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -464,7 +447,7 @@ def test_the_uninterrupted_runs_write_every_checkpoint_and_a_loadable_export(pla
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out / "final"))
 
 
-@pytest.mark.parametrize("scenario", _params("killed"))
+@pytest.mark.parametrize("scenario", SCENARIO_PARAMS)
 def test_a_killed_run_leaves_no_checkpoint_or_export_that_looks_complete_but_is_not(played, scenario):
     """Every step_N the kill left is the uninterrupted run's step_N, and final/ is absent or the uninterrupted
     run's; the newest complete checkpoint is where the kill was aimed."""
@@ -490,7 +473,7 @@ def _resumed(played, scenario) -> Outcome:
     return outcome
 
 
-@pytest.mark.parametrize("scenario", _params("weights"))
+@pytest.mark.parametrize("scenario", SCENARIO_PARAMS)
 def test_the_resumed_run_exports_the_uninterrupted_runs_weights_bit_for_bit(played, scenario):
     out = _resumed(played, scenario).out
     reference = _get(played, f"uninterrupted-{scenario.nproc}")
@@ -501,7 +484,7 @@ def test_the_resumed_run_exports_the_uninterrupted_runs_weights_bit_for_bit(play
         assert (out / "final" / name).read_bytes() == (reference / "final" / name).read_bytes(), name
 
 
-@pytest.mark.parametrize("scenario", _params("metrics"))
+@pytest.mark.parametrize("scenario", SCENARIO_PARAMS)
 def test_the_resumed_runs_metrics_repeat_the_uninterrupted_runs_step_by_step(played, scenario):
     out = _resumed(played, scenario).out
     reference = _get(played, f"uninterrupted-{scenario.nproc}")
@@ -509,7 +492,7 @@ def test_the_resumed_runs_metrics_repeat_the_uninterrupted_runs_step_by_step(pla
     assert [[m[k] for k in keys] for m in _metrics(out)] == [[m[k] for k in keys] for m in _metrics(reference)]
 
 
-@pytest.mark.parametrize("scenario", _params("checkpoints"))
+@pytest.mark.parametrize("scenario", SCENARIO_PARAMS)
 def test_after_the_resume_every_checkpoint_is_the_uninterrupted_runs(played, scenario):
     """No half-written checkpoint is left, and each one kept holds what the uninterrupted run's does."""
     out = _resumed(played, scenario).out

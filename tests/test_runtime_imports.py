@@ -125,6 +125,17 @@ def test_a_missing_runtime_dependency_is_one_error_line_naming_it(tmp_path, modu
     assert "pip install tokenizers" in lines[0]
 
 
+def test_report_to_a_missing_package_is_one_error_line_naming_it(tmp_path):
+    """--report-to tensorboard without tensorboard (a test-only package, blocked here): refused before any work."""
+    out = tmp_path / "run"
+    res = _run(["-m", "ligermodels.train", "--out", str(out), "--steps", "1", "--report-to", "tensorboard"], tmp_path,
+               _test_only_modules())
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines() == ["error: --report-to tensorboard needs the tensorboard package: pip "
+                                               "install tensorboard"]
+    assert not (out / "metrics.jsonl").exists()
+
+
 def test_a_missing_runtime_dependency_raises_import_error_in_a_library(tmp_path):
     res = _run(["-c", "import ligermodels"], tmp_path, ["safetensors"])
     assert res.returncode == 1 and "ImportError: missing dependency: safetensors" in res.stderr, res.stderr

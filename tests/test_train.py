@@ -399,6 +399,41 @@ def test_tensorboard_scalars_are_the_metrics_lines_and_a_resume_replaces_the_ste
             assert [e.value for e in scalars] == pytest.approx([m[name] for m in metrics], rel=1e-6), (run, name)
 
 
+def test_wandb_gets_each_steps_metrics_with_the_runs_config(monkeypatch, tmp_path):
+    """--report-to wandb: one W&B run named after OUT with the TrainConfig as its config, each step's non-null
+    metrics logged as train/<name> at that step, finished at the end (a stand-in module records the calls:
+    wandb is an optional extra, not a test dependency)."""
+    import types as module_types
+
+    from ligermodels.train.metrics import MetricsLog
+
+    calls = []
+
+    class Run:
+        def log(self, values, step):
+            calls.append(("log", values, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(**kwargs):
+        calls.append(("init", kwargs))
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "wandb", module_types.SimpleNamespace(init=init))
+    config = TrainConfig(out=str(tmp_path / "run"), report_to="wandb", steps=2)
+    log = MetricsLog(config, rank=0, resumed_step=None)
+    step = {"lr": 1e-3, "grad_norm": 0.5, "tokens": 10, "tokens_per_s": 100.0, "mfu": None, "peak_mem_gb": 1.0}
+    log.log({"step": 1, "loss": 2.5, **step})
+    log.log({"step": 2, "loss": float("nan"), **step})
+    log.close()
+    assert calls[0][0] == "init" and calls[0][1]["name"] == "run" and calls[0][1]["config"]["steps"] == 2
+    logged = {f"train/{k}": v for k, v in step.items() if v is not None}
+    assert calls[1:] == [("log", {"train/loss": 2.5, **logged}, 1), ("log", logged, 2), ("finish",)]
+    assert [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] == \
+        [2.5, None]
+
+
 def test_checkpoint_layout(run_two):
     ckpt = run_two / "checkpoints" / "step_00000002"
     files = set(os.listdir(ckpt))

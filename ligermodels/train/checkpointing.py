@@ -56,13 +56,17 @@ def complete_checkpoints(out: str) -> list[tuple[int, str]]:
 
 
 def prepare_out_dir(config: TrainConfig, rank: int) -> None:
-    """:func:`check_out_dir` on every rank; then rank 0 deletes the checkpoints a crash left half-written
-    (``step_*.tmp``), which are never resumed from."""
+    """:func:`check_out_dir` on every rank; then rank 0 deletes what a crash left half-written, which is never
+    read: checkpoints (``step_*.tmp``) and exports (``.final.tmp-*``, ``.merged.tmp-*`` and the ``.old-*``
+    directories of a replaced one)."""
     check_out_dir(config)
     dist.barrier()
     if rank == 0:
-        for stale in glob.glob(os.path.join(config.out, "checkpoints", "step_*.tmp")):
-            shutil.rmtree(stale, ignore_errors=True)
+        stale = [*glob.glob(os.path.join(config.out, "checkpoints", "step_*.tmp")),
+                 *(p for export in ("final", "merged") for kind in ("tmp", "old")
+                   for p in glob.glob(os.path.join(config.out, f".{export}.{kind}-*")))]
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_previous_run(config: TrainConfig) -> None:
@@ -206,9 +210,10 @@ def save_checkpoint(out: str, step: int, model: CausalLM, optimizer: torch.optim
             os.fsync(fd)
         finally:
             os.close(fd)
-        if keep > 0:
+        if keep > 0:  # renamed first: a checkpoint deleted part-way is a .tmp, never a step_N that looks complete
             for _, old in complete_checkpoints(out)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                os.replace(old, old + ".tmp")
+                shutil.rmtree(old + ".tmp", ignore_errors=True)
     dist.barrier()
 
 

@@ -191,8 +191,9 @@ class MetricsLog:
             return
         old = metrics_up_to(self.path, resumed_step) if resumed_step is not None and os.path.isfile(self.path) else []
         os.makedirs(config.out, exist_ok=True)
-        with open(self.path, "w") as f:
+        with open(self.path + ".tmp", "w") as f:  # then renamed: a kill here never leaves the file cut short
             f.writelines(old)
+        os.replace(self.path + ".tmp", self.path)
         kinds = {"tensorboard": TensorBoard, "wandb": WandB}
         self.reporters = [kinds[name](config, resumed_step) for name in config.reporters]
 
