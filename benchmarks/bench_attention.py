@@ -22,7 +22,7 @@ views of one packed projection buffer as the decoder layer passes them:
   ``triton-causal`` / ``triton-documents`` (and ``triton-documents <tiles>``): this package's kernel with
   ``softcap`` (the default at head dims 64, 128 and 256).
 
-Each row: kernel time of forward + backward (``benchmarks.harness.kernel_ms``: device time, L2 flushed),
+Each row: kernel time of forward + backward (``benchmarks.common.kernel_ms``: device time, L2 flushed),
 the useful flops (4 * D * Hq per allowed (query, key) pair forward, 2.5 x that backward) and their rate,
 and the relative error of the output and of the q/k/v gradient against float64 dense attention on the same
 inputs (the first batch row only, to bound the reference's memory).
@@ -39,6 +39,7 @@ import random
 
 import torch
 
+from benchmarks.common import environment, kernel_ms, write_results
 from ligermodels import attention
 from ligermodels.attention import AttentionMask, Documents, causal_attention
 
@@ -135,8 +136,6 @@ def implementations(softcap: float | None, triton_configs: list[dict] = (), flex
 
 def run_shape(name: str, flex_options: list[dict], check: bool, triton_configs: list[dict] = ()) -> list[dict]:
     """Every implementation at one shape: result rows (and the block-mask build time)."""
-    from benchmarks.harness import kernel_ms
-
     b, hq, hkv, d, softcap = SHAPES[name]
     scale = d ** -0.5
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -241,8 +240,6 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
-    from benchmarks.harness import environment, write_results
-
     env = environment()
     torch._dynamo.config.recompile_limit = 64  # one FlexAttention compile per shape and option set
     rows = []

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.harness import environment, write_results
+from benchmarks.common import environment, write_results
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,

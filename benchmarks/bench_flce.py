@@ -22,7 +22,7 @@ it leaves (hidden.grad, weight.grad). Implementations, one after another in this
   ``accum_dtype=torch.float32`` where that version has it), when ``liger_kernel`` is importable.
 
 The matmul floor is ``6*N*H*V / rate`` with ``rate`` the measured dense bf16 matmul rate
-(:func:`benchmarks.harness.matmul_tflops`); the targets are ours/floor <= 1.15, faster than every
+(:func:`benchmarks.common.matmul_tflops`); the targets are ours/floor <= 1.15, faster than every
 baseline, and peak extra memory no higher than Liger's ("tokens"); for "vocab", about 1.33x the
 floor (one more GEMM) and peak extra memory below Liger's. Writes ``flce-<gpu>-<date>.json``.
 """
@@ -37,7 +37,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import bench_ms, environment, matmul_tflops, write_results
+from benchmarks.common import bench_ms, environment, matmul_tflops, write_results
 
 ce = importlib.import_module("kernels.cross_entropy")  # the module (kernels.cross_entropy is also a function)
 

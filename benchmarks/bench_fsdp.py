@@ -31,19 +31,24 @@ kernels) unless ``--device cuda``; its results go to ``--out``, never to benchma
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import (
+    RESULTS,
+    child_env,
+    environment,
+    read_metrics,
+    run_logged,
+    torchrun,
+    write_data,
+    write_model_dir,
+    write_results,
+)
 
 #: Qwen2-1.5B's shape (HF config.json fields): 1.54B parameters, tied embeddings, q/k/v bias.
 QWEN2_1_5B = {
@@ -57,107 +62,14 @@ QWEN2_1_5B = {
 TINY = {**QWEN2_1_5B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
 
-SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0-3; BOS = <s>, EOS = </s>
-#: Keep NVLink multicast off in the children too (the shared GPU hosts require it; harmless elsewhere).
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-# ------------------------------------------------------------------------------------------ inputs
-def write_model_dir(directory: str, config: dict) -> None:
-    """config.json + a word-level tokenizer ("w<id>" -> id for every id past the specials) + tokenizer_config.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    os.makedirs(directory, exist_ok=True)
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": i for i in range(len(SPECIALS), config["vocab_size"])})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(list(SPECIALS))
-    tok.save(os.path.join(directory, "tokenizer.json"))
-    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "pad_token": "<pad>", "unk_token": "<unk>"}, f, indent=1)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-
-
-def write_data(path: str, tokens: int, vocab_size: int, doc_tokens: int, seed: int = 0) -> int:
-    """JSON lines of random-word documents (lengths uniform in doc_tokens x [0.5, 1.5]) totalling >= ``tokens``.
-
-    Each document becomes BOS + words + EOS. Returns the number of documents.
-    """
-    rng = random.Random(seed)
-    lo, hi = max(1, doc_tokens // 2), max(1, doc_tokens * 3 // 2)
-    n_docs, total = 0, 0
-    with open(path, "w") as f:
-        while total < tokens:
-            n = rng.randint(lo, hi)
-            words = " ".join(f"w{rng.randrange(len(SPECIALS), vocab_size)}" for _ in range(n))
-            f.write(json.dumps({"text": words}) + "\n")
-            n_docs, total = n_docs + 1, total + n + 2
-    return n_docs
-
 
 # ------------------------------------------------------------------------------------------ one run
 def train_command(args: argparse.Namespace, nproc: int, model_dir: str, data: str, out: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "ligermodels.train", "--model", model_dir, "--from-scratch", "--data", data, "--out", out,
-            "--overwrite", "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+    return [*torchrun(nproc), "-m", "ligermodels.train", "--model", model_dir, "--from-scratch", "--data", data,
+            "--out", out, "--overwrite", "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
             "--grad-accum", str(args.grad_accum), "--steps", str(args.steps), "--dtype", args.dtype,
             "--device", args.device, "--ac", args.ac, "--save-every", "0", "--log-every", "1",
             "--warmup-steps", "1", "--lr", "1e-5"]
-
-
-def child_env(args: argparse.Namespace) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for key, value in NO_MULTICAST.items():
-        env.setdefault(key, value)
-    if args.device == "cpu":  # PyTorch reference kernels (not the Triton interpreter); one thread per rank
-        env.update(TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
-    return env
-
-
-def run_logged(cmd: list[str], env: dict, log_path: str, timeout: float, on_line) -> dict:
-    """Run ``cmd`` (a torchrun) with its output written to ``log_path`` as it arrives, each line also passed
-    to ``on_line(line, seconds since launch)``; stop it after ``timeout`` seconds: SIGTERM, which torchrun
-    forwards to its workers (each in its own session) before exiting; SIGKILL to its process group if it is
-    still there a minute later. Returns {returncode, timed_out, wall_s, tail (the last 60 lines)}."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
-    timed_out = threading.Event()
-
-    def stop():
-        timed_out.set()
-        if proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    timer = threading.Timer(timeout, stop)
-    timer.start()
-    tail: list[str] = []
-    try:
-        with open(log_path, "w") as log:
-            for line in proc.stdout:
-                log.write(line)
-                tail = (tail + [line])[-60:]
-                on_line(line, time.perf_counter() - t0)
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:  # interrupted while reading
-            stop()
-            proc.wait()
-    return {"returncode": rc, "timed_out": timed_out.is_set(), "wall_s": time.perf_counter() - t0,
-            "tail": "".join(tail)}
 
 
 def run_training(args: argparse.Namespace, nproc: int, model_dir: str, data: str, out: str) -> dict:
@@ -183,7 +95,7 @@ def run_training(args: argparse.Namespace, nproc: int, model_dir: str, data: str
             sys.stdout.write(f"  [{nproc}] {line}")
             sys.stdout.flush()
 
-    run = run_logged(cmd, child_env(args), os.path.join(out, "torchrun.log"), args.timeout, on_line)
+    run = run_logged(cmd, child_env(args.device), os.path.join(out, "torchrun.log"), args.timeout, on_line)
     return {**run, **marks}
 
 
@@ -213,14 +125,6 @@ def summarize(nproc: int, args: argparse.Namespace, metrics: list[dict], run: di
         row["export_s"] = round(run["wrote_at"] - run["last_step_at"], 1)
     row["loop_s"] = round(loop_s, 1)
     return row
-
-
-def read_metrics(out: str) -> list[dict]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -279,7 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps <= args.warmup:
         ap.error(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
     if args.results is None:
-        args.results = args.out if args.tiny else os.path.join(ROOT, "benchmarks", "results")
+        args.results = args.out if args.tiny else RESULTS
     return args
 
 
@@ -325,8 +229,6 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         if base is not None and "error" not in r:
             r["scaling_efficiency"] = round(r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
-
-    from benchmarks.harness import environment, write_results
 
     env = environment()
     payload = {

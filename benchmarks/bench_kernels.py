@@ -5,7 +5,7 @@ Writes ``kernels-<gpu>-<date>.json`` with the measured copy bandwidth and one ro
 (op, shape, impl, pass): ``ms`` = kernel time (the summed device time of the op's kernels, memcpys and
 memsets, host overhead excluded; ``timing: "cuda-kernels"``), ``wall_ms`` = wall time per call with the
 CPU launching it, ``launches`` = device events per call, bytes counted, and GB/s and the fraction of
-copy bandwidth from the kernel time. benchmarks/harness.py says exactly what is measured and why.
+copy bandwidth from the kernel time. benchmarks/common.py's docstring says exactly what is measured and why.
 Rows merged from older files (no ``timing`` key) carry wall time in ``ms``.
 """
 
@@ -17,10 +17,9 @@ import json
 
 import torch
 
-from benchmarks.harness import copy_bandwidth_gbs, environment, write_results
-from benchmarks.report import newest_results
+from benchmarks.common import copy_bandwidth_gbs, environment, newest_results, write_results
 
-#: Case modules, ``benchmarks/kernels_<family>.py``; ``rope_variants``: the q/k-norm + RoPE, partial and
+#: Case modules, ``benchmarks/kernel_cases/<family>.py``; ``rope_variants``: the q/k-norm + RoPE, partial and
 #: interleaved rotary of the newer families.
 FAMILIES = ["glu", "rms_norm", "rope", "rope_variants", "cross_entropy", "adamw"]
 
@@ -44,7 +43,7 @@ def main() -> None:
     rows = []
     for fam in args.only:
         try:
-            mod = importlib.import_module(f"benchmarks.kernels_{fam}")
+            mod = importlib.import_module(f"benchmarks.kernel_cases.{fam}")
         except ImportError as e:
             print(f"skip {fam}: {e}")
             continue

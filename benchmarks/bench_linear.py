@@ -25,17 +25,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_e2e import MODELS
-from benchmarks.harness import environment, kernel_time, matmul_tflops, write_results
-
-
-def projections(model: str) -> dict[str, tuple[int, list[int]]]:
-    """{name: (K, [N of each part])} of one decoder layer's projections (o and down have one part)."""
-    d = MODELS[model]
-    h, inter, hq, hkv = d["hidden_size"], d["intermediate_size"], d["num_attention_heads"], d["num_key_value_heads"]
-    hd = d.get("head_dim", h // hq)
-    return {"qkv": (h, [hq * hd, hkv * hd, hkv * hd]), "o": (hq * hd, [h]),
-            "gate_up": (h, [inter, inter]), "down": (inter, [h])}
+from benchmarks.common import environment, kernel_time, matmul_tflops, projections, write_results
 
 
 def gemm_calls(m: int, k: int, parts: list[int], split: bool):
@@ -92,7 +82,7 @@ def run(models: list[tuple[str, int]], seq: int = 2048) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["qwen2-7b:4", "qwen2-1.5b:8", "llama-1b:8", "gemma-2b:4"],
-                    help="model:batch pairs (seq 2048), models from bench_e2e.MODELS")
+                    help="model:batch pairs (seq 2048), models from benchmarks.common.MODELS")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = ap.parse_args()
     rate = matmul_tflops()

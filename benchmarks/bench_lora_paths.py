@@ -33,8 +33,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from benchmarks.bench_linear import projections
-from benchmarks.harness import bench_ms, environment, write_results
+from benchmarks.common import bench_ms, environment, projections, write_results
 from kernels.low_rank import LowRank, low_rank_backward, low_rank_grad_a, low_rank_input_grad, low_rank_linear
 
 
@@ -164,7 +163,7 @@ def projection_case(m: int, k: int, parts: list[int], r: int, side: torch.cuda.S
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2-7b:4", help="model:batch (seq 2048), a model of bench_e2e.MODELS")
+    ap.add_argument("--model", default="qwen2-7b:4", help="model:batch (seq 2048), a model of benchmarks.common.MODELS")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")

@@ -14,16 +14,17 @@ torchtitan fp32 weights under bf16 autocast (16 bytes a parameter with its gradi
 at 8B before activations: it may not fit one GPU).
 
 Data: the same documents. ``WORK/data/data.jsonl`` holds random-word documents (``--doc-tokens`` long on
-average) tokenized by a word-level ``tokenizer.json`` that fills the vocabulary (``bench_fsdp``'s
-``write_model_dir`` / ``write_data``). ligermodels.train reads it with ``--data``; torchtitan reads the
-same directory as its ``c4_test`` dataset (``training.dataset_path``: ``datasets.load_dataset(dir)``,
-the ``text`` field), tokenized with the same ``tokenizer.json`` (``model.hf_assets_path``). Both add BOS
-and EOS to each document and pack the stream into rows, so the tokens per step are the same. They differ
-in what a row's loss counts (ours leaves out each document's first token, torchtitan predicts every
-token), in the init and in the rows each rank draws, so the two sides' losses are recorded, not compared.
-``--attention causal`` (default) attends across the whole row on both sides (ours ``--attention
-causal``, torchtitan's ``8B`` flavor, SDPA); ``documents`` within each document (ours by default,
-FlexAttention; torchtitan's ``8B_flex`` flavor, FlexAttention ``block_causal`` split at EOS).
+average) tokenized by a word-level ``tokenizer.json`` that fills the vocabulary (``benchmarks.common``'s
+``write_model_dir`` / ``write_data``, as in ``bench_fsdp``). ligermodels.train reads it with ``--data``;
+torchtitan reads the same directory as its ``c4_test`` dataset (``training.dataset_path``:
+``datasets.load_dataset(dir)``, the ``text`` field), tokenized with the same ``tokenizer.json``
+(``model.hf_assets_path``). Both add BOS and EOS to each document and pack the stream into rows, so the
+tokens per step are the same. They differ in what a row's loss counts (ours leaves out each document's
+first token, torchtitan predicts every token), in the init and in the rows each rank draws, so the two
+sides' losses are recorded, not compared. ``--attention causal`` (default) attends across the whole row on
+both sides (ours ``--attention causal``, torchtitan's ``8B`` flavor, SDPA); ``documents`` within each
+document (ours by default, FlexAttention; torchtitan's ``8B_flex`` flavor, FlexAttention ``block_causal``
+split at EOS).
 
 Per run, one row in the JSON (written after every run, so a run that times out loses nothing; rows of
 an earlier invocation on the same host with the same file name are kept, so one GPU count or one
@@ -50,7 +51,7 @@ non-default ones. ``--split-check`` adds, for each N > 1, a one-GPU run of ours 
 (the same global batch) for ``--split-steps`` steps, whose losses must equal the N-GPU run's within
 fp32 rounding (relative 1e-5).
 
-``checks`` holds the targets (issue: "many GPUs") per GPU count and AC mode: the faster of ours and
+``checks`` holds the targets (:data:`TARGETS`) per GPU count and AC mode: the faster of ours and
 ours + compile at least 1.15x torchtitan + compile in tokens/s per GPU with no higher peak memory; per
 trainer, per-GPU tokens/s at 2 GPUs at least 95% and at 8 GPUs at least 90% of its 1-GPU rate (measured
 on the same host, in the same file).
@@ -58,7 +59,7 @@ on the same host, in the same file).
 torchtitan is a benchmark-only baseline (never a dependency), pinned to 0.2.2 (February 2026, made
 against torch 2.11's nightlies; 0.3.0, September 2026, follows later torch nightlies and needs packages the
 GPU image lacks: spmd_types, torch_checkpointing, wandb). Its config, the flavors of
-benchmarks/titan_flavors.py, its tokenizer and data loader reading these inputs were checked on torch
+benchmarks/titan/flavors.py, its tokenizer and data loader reading these inputs were checked on torch
 2.13's CPU build with the same wheels; its trainer needs CUDA, so it runs on the GPU machines (torch
 2.11). The GPU machine has no network: fetch the wheels with ``bash benchmarks/fetch_titan_wheels.sh``
 where pip reaches PyPI (into ``.whl/``, git-ignored), carry ``.whl`` and install them there first::
@@ -89,10 +90,19 @@ import statistics
 import sys
 import time
 
-from benchmarks.bench_fsdp import child_env as fsdp_env
-from benchmarks.bench_fsdp import read_metrics, run_logged, write_data, write_model_dir
+from benchmarks.common import (
+    RESULTS,
+    child_env,
+    environment,
+    read_metrics,
+    run_logged,
+    titan_flavor,
+    torchrun,
+    write_data,
+    write_model_dir,
+    write_results,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ("ours", "ours+compile", "titan", "titan+compile")
 TITAN_VERSION = "0.2.2"
 #: What torchtitan's trainer imports that the GPU image may lack (benchmarks/fetch_titan_wheels.sh brings them).
@@ -100,7 +110,8 @@ TITAN_MODULES = ("torchtitan", "tyro", "torchdata", "datasets")
 LR = 1e-5
 SEED = 0
 PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100 and H200 (ligermodels.train.metrics.PEAK_BF16_FLOPS)
-#: The issue's targets; split_rel_loss: |loss(N GPUs) - loss(1 GPU, grad-accum N)| / loss at every step compared.
+#: The targets (``checks`` in the module docstring); split_rel_loss: |loss(N GPUs) - loss(1 GPU, grad-accum N)| /
+#: loss at every step compared.
 TARGETS = {"speed_vs_titan_compile": 1.15, "memory_vs_titan_compile": 1.0, "scaling": {"2": 0.95, "8": 0.90},
            "split_rel_loss": 1e-5}
 
@@ -146,10 +157,6 @@ def label(impl: str, args: argparse.Namespace) -> str:
     return impl + extra
 
 
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-
-
 def ours_command(args: argparse.Namespace, impl: str, nproc: int, ac: str, model_dir: str, data: str, out: str,
                  grad_accum: int = 1, steps: int | None = None) -> list[str]:
     """``torchrun ... -m ligermodels.train`` for one run (``impl`` "ours" or "ours+compile")."""
@@ -165,12 +172,6 @@ def ours_command(args: argparse.Namespace, impl: str, nproc: int, ac: str, model
     if args.profile and steps is None:
         cmd.append("--profile")
     return cmd
-
-
-def titan_flavor(layers: int, attention: str) -> str:
-    """torchtitan's flavor of Llama-3.1-8B's shape with ``layers`` layers (see benchmarks/titan_flavors.py)."""
-    base = "8B_flex" if attention == "documents" else "8B"
-    return base if layers == 32 else f"{base}_layers{layers}"
 
 
 def titan_config(args: argparse.Namespace, impl: str, ac: str, model_dir: str, data: str, out: str) -> dict:
@@ -194,7 +195,7 @@ def titan_config(args: argparse.Namespace, impl: str, ac: str, model_dir: str, d
         "debug": {"seed": SEED},
     }
     if args.layers != 32:
-        config["experimental"] = {"custom_import": "benchmarks.titan_flavors"}
+        config["experimental"] = {"custom_import": "benchmarks.titan.flavors"}
     return config
 
 
@@ -221,14 +222,6 @@ def titan_command(nproc: int, config_path: str) -> list[str]:
     """torchtitan's trainer under torchrun, rank 0's output only (as its run_train.sh)."""
     return [*torchrun(nproc), "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "torchtitan.train",
             "--job.config_file", config_path]
-
-
-def child_env(args: argparse.Namespace, work: str) -> dict:
-    """bench_fsdp's environment (NVLink multicast off, PYTHONPATH, offline hub) plus torchtitan's offline data set."""
-    env = fsdp_env(args)
-    env.update(HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "hf-datasets-cache"),
-               TOKENIZERS_PARALLELISM="false")
-    return env
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -458,7 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     args.device = "cpu" if args.tiny else "cuda"
     args.dtype = "fp32" if args.tiny else "bf16"
-    args.results = args.results or (args.out if args.tiny else os.path.join(ROOT, "benchmarks", "results"))
+    args.results = args.results or (args.out if args.tiny else RESULTS)
     if min(args.gpus) < 1:
         ap.error(f"--gpus needs positive counts, got {args.gpus}")
     if not 1 <= args.layers <= 32:
@@ -521,7 +514,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
-    from benchmarks.harness import environment, write_results
     from ligermodels.families import config_from_hf
     from ligermodels.train.metrics import flops_per_token
 
@@ -605,7 +597,9 @@ def run_one(args: argparse.Namespace, impl: str, n: int, ac: str, model_dir: str
     if split:
         row["role"] = "split-check"
     tokens_per_gpu_step = args.batch_size * grad_accum * args.seq_len
-    env = child_env(args, work)
+    # torchtitan reads the data directory through datasets, offline, with a cache of its own
+    env = child_env(args.device, HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "hf-datasets-cache"),
+                    TOKENIZERS_PARALLELISM="false")
     if impl.startswith("ours"):
         row.update(reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch)
         cmd = ours_command(args, impl, n, ac, model_dir, data, out, grad_accum, args.split_steps if split else None)

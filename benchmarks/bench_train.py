@@ -2,7 +2,7 @@
 (plain, ``use_liger_kernel=True``, ``torch_compile=True``) on the same rows, precision and shape.
 
 Every implementation trains the same model shape from random init (the public config.json shapes of
-``benchmarks.bench_e2e.MODELS``) on the same packed rows: ``WORK/data.jsonl`` holds random-word
+``benchmarks.common.MODELS``) on the same packed rows: ``WORK/data.jsonl`` holds random-word
 documents of 200-3000 words (``--doc-words``), tokenized by a word-level tokenizer that fills the
 model's vocabulary and packed by ``ligermodels.train.data.PackedRows`` (seed 0) into rows of ``--seq``
 tokens, position ids restarting at each document. ligermodels.train reads them itself; the Trainer
@@ -15,7 +15,7 @@ Precision regime, the same everywhere: fp32 master weights, bf16 compute, AdamW 
 eps 1e-8, weight decay 0.1 on matrices; lr 1e-5 constant, no warmup), gradient clipping at 1.0.
 ligermodels.train runs with its CUDA defaults (``--save-every 0``); the Trainer with ``bf16=True``
 (fp32 parameters under bf16 autocast) and ``optim="adamw_torch_fused"``, attending through SDPA (eager for
-Gemma 2, whose attention soft-capping SDPA cannot express: ``bench_e2e.HF_ATTENTION``); ``use_liger_kernel``
+Gemma 2, whose attention soft-capping SDPA cannot express: ``benchmarks.common.HF_ATTENTION``); ``use_liger_kernel``
 patches the model by its ``model_type`` (liger-kernel's own table: Llama, Qwen2, Qwen3, Gemma, Gemma 2, ...).
 Each run is its own process.
 
@@ -28,7 +28,7 @@ vocabulary x hidden buffer takes 1/32 of the GPU's memory); ``ligermodels-tokens
 (``vocab``: no fp32 vocab x hidden gradient buffer in the loss head, less memory, one more GEMM).
 ``ligermodels-causal`` is the same run attending across whole rows (``--attention causal``):
 the step's cost of attending within documents. ``bare`` is the same model's training step alone
-(``benchmarks.bench_e2e``'s ligermodels step with the training loop's optimiser: bf16 parameters,
+(``benchmarks.common.measure``, bench_e2e's ligermodels step, with the training loop's optimiser: bf16 parameters,
 fp32 master weights, no data loader, no document mask, no clipping, no logging) on random tokens,
 the loop's upper bound.
 
@@ -36,7 +36,7 @@ the loop's upper bound.
     python -m benchmarks.bench_train --out /tmp/bt --runs qwen3-1.7b:4 gemma2-2b:4 --tag n4
     python -m benchmarks.bench_train --out /tmp/bt --runs qwen2-1.5b:4 --impls ligermodels --profile
 
-Writes ``results/train-<gpu>-<date><tag>.json`` (the README reads each shape from its newest file).
+Writes ``results/train-<gpu>-<date><tag>.json`` (docs/performance.md shows each shape from its newest file).
 ``--profile`` adds ligermodels.train's own ``--profile`` table (GPU time per category, host gaps, memory at
 the peak) under ``results/profiles``; the profiled steps are left out of the median.
 
@@ -88,14 +88,25 @@ import argparse
 import gc
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common import (
+    MODELS,
+    RESULTS,
+    ROOT,
+    child_env,
+    environment,
+    hf_attention,
+    measure,
+    write_documents,
+    write_model_dir,
+    write_results,
+)
+
 FULL_IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-tokens", "ligermodels-vocab", "ligermodels-graph",
               "hf", "hf+liger", "hf+compile", "bare")
 #: The LoRA runs: ``--lora`` runs the first three; ``hf+peft`` (the Trainer alone) only when named in --impls.
@@ -108,7 +119,7 @@ HF_IMPLS = ("hf", "hf+liger", "hf+compile")
 HF_LORA_IMPLS = ("hf+peft+liger", "hf+peft+compile", "hf+peft")
 SEED = 0
 LR = 1e-5
-#: The LoRA runs' adapters (the issue's: rank 16 on all seven projections) and learning rate (constant).
+#: The LoRA runs' adapters (rank 16 on all seven projections) and learning rate (constant).
 LORA = {"rank": 16, "alpha": 32.0, "dropout": 0.0, "targets": ("q", "k", "v", "o", "gate", "up", "down")}
 LORA_LR = 1e-4
 #: Optimiser steps each --max-batch try runs (the first allocates the optimiser state; the second runs as all later).
@@ -118,22 +129,12 @@ MAX_BATCH_STEPS = 2
 # ------------------------------------------------------------------------------------------ inputs
 def write_inputs(work: str, model: str, tokens: int, doc_words: tuple[int, int]) -> tuple[str, str]:
     """WORK/<model>/model (config.json + word-level tokenizer) and WORK/<model>/data.jsonl (>= ``tokens``)."""
-    from benchmarks.bench_e2e import MODELS
-    from benchmarks.bench_fsdp import SPECIALS, write_model_dir
-
     config = {**MODELS[model], "bos_token_id": 2, "eos_token_id": 3}
     config["max_position_embeddings"] = max(config.get("max_position_embeddings", 0), 8192)
     directory = os.path.join(work, model)
     model_dir, data = os.path.join(directory, "model"), os.path.join(directory, "data.jsonl")
     write_model_dir(model_dir, config)
-    rng = random.Random(SEED)
-    total = 0
-    with open(data, "w") as f:
-        while total < tokens:
-            n = rng.randint(*doc_words)
-            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(len(SPECIALS), config['vocab_size'])}"
-                                                 for _ in range(n))}) + "\n")
-            total += n + 2  # BOS + words + EOS
+    write_documents(data, tokens, config["vocab_size"], *doc_words, seed=SEED)
     return model_dir, data
 
 
@@ -188,7 +189,7 @@ def ensure_base(work: str, model: str, timeout: int) -> str:
         os.remove(record)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "benchmarks.bench_train", "--worker", "base", "--out", base, "--model-dir", model_dir]
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    res = run_child(cmd, timeout)
     if res.returncode != 0 or not os.path.isfile(record):
         raise RuntimeError(f"writing the base checkpoint {base} failed (exit {res.returncode}): {res.stderr[-2000:]}")
     print(f"wrote the base checkpoint {base} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -217,7 +218,7 @@ def run_ligermodels(args, impl: str, model_dir: str, data: str, batch: int, out:
     """``python -m ligermodels.train`` as users run it (:func:`train_command`); the row from its metrics.jsonl."""
     cmd = train_command(args, impl, model_dir, data, batch, out, profile)
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=args.timeout)
+    res = run_child(cmd, args.timeout)
     wall = time.perf_counter() - t0
     sys.stdout.write(res.stdout[-3000:])
     if res.returncode != 0:
@@ -278,8 +279,6 @@ def peft_model(base: str, device: str, dtype=None):
     import torch
     import transformers
 
-    from benchmarks.bench_e2e import hf_attention
-
     model_type = transformers.AutoConfig.from_pretrained(base).model_type
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype or torch.bfloat16,
                                                               attn_implementation=hf_attention(model_type),
@@ -296,8 +295,6 @@ def hf_worker(args) -> dict:
     of the base checkpoint ``--model-dir``); the row. Peak memory counts from the loaded model on."""
     import torch
     import transformers
-
-    from benchmarks.bench_e2e import MODELS, hf_attention
 
     rows = packed_rows(args.model_dir, args.data, args.seq)
     times, losses = [], []
@@ -333,16 +330,16 @@ def hf_worker(args) -> dict:
 
 
 def bare_worker(args) -> dict:
-    """(In a child process.) bench_e2e's ligermodels step with the loop's fp32-master optimiser and loss head."""
+    """(In a child process.) bench_e2e's ligermodels step (:func:`benchmarks.common.measure`) with the loop's
+    fp32-master optimiser and loss head."""
     import torch
 
-    from benchmarks import bench_e2e
     from ligermodels.train.parallelize import auto_loss_strategy
 
-    model = bench_e2e.MODELS[args.model]  # the loss head ligermodels.train picks by default (--loss-strategy auto)
-    bench_e2e.FLCE_STRATEGY = auto_loss_strategy(model["vocab_size"], model["hidden_size"], torch.device("cuda"))
-    row = bench_e2e.measure("ligermodels+master", args.model, args.batch, args.seq, args.steps - args.warmup,
-                            args.warmup, args.ac != "none", None)
+    model = MODELS[args.model]  # the loss head ligermodels.train picks by default (--loss-strategy auto)
+    strategy = auto_loss_strategy(model["vocab_size"], model["hidden_size"], torch.device("cuda"))
+    row = measure("ligermodels+master", args.model, args.batch, args.seq, args.steps - args.warmup, args.warmup,
+                  args.ac != "none", None, strategy)
     return {"tokens_per_s": row["tokens_per_s"], "step_ms": row["step_ms"], "peak_mem_gb": row["peak_mem_gb"],
             "mfu": row["mfu"]}
 
@@ -547,13 +544,20 @@ def run_worker(args, impl: str, model: str, batch: int, model_dir: str, data: st
     if args.max_batch:
         cmd += ["--max-batch", "--max-batch-limit", str(args.max_batch_limit)]
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=args.timeout)
+    res = run_child(cmd, args.timeout)
     wall = time.perf_counter() - t0
     lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
     if res.returncode != 0 or not lines:
         tail = res.stderr[-2000:]
         return {"error": tail, "oom": "OutOfMemoryError" in tail or "out of memory" in tail, "wall_s": round(wall, 1)}
     return {**json.loads(lines[-1]), "wall_s": round(wall, 1)}
+
+
+def run_child(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``cmd`` run from the repository root in :func:`benchmarks.common.child_env` (with the tokenizers' own
+    threads off), its output captured; stopped after ``timeout`` seconds."""
+    return subprocess.run(cmd, cwd=ROOT, env=child_env(TOKENIZERS_PARALLELISM="false"), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def summarize(step_s: list[float], losses: list[float], peak_gb: float, tokens_per_step: int, warmup: int) -> dict:
@@ -563,12 +567,6 @@ def summarize(step_s: list[float], losses: list[float], peak_gb: float, tokens_p
     return {"tokens_per_s": round(tokens_per_step / statistics.median(timed), 1),
             "step_ms": round(1e3 * statistics.median(timed), 2), "peak_mem_gb": round(peak_gb, 2),
             "steps": len(step_s), "steps_timed": len(timed), "losses": [round(v, 5) for v in losses]}
-
-
-def child_env() -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 # ------------------------------------------------------------------------------------------ targets
@@ -633,7 +631,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="work directory (inputs, base checkpoints, runs)")
     ap.add_argument("--runs", nargs="+", default=["qwen2-1.5b:4"],
-                    help="MODEL:BATCH, MODEL from bench_e2e.MODELS (--max-batch: MODEL[:FIRST BATCH TRIED], default 1)")
+                    help="MODEL:BATCH, MODEL from benchmarks.common.MODELS (--max-batch: MODEL[:FIRST BATCH TRIED], "
+                         "default 1)")
     ap.add_argument("--impls", nargs="+", choices=IMPLS,
                     help=f"default: {' '.join(DEFAULT_FULL_IMPLS)}; with --lora: {' '.join(LORA_IMPLS[:3])}")
     ap.add_argument("--lora", action="store_true", help="the LoRA runs (rank 16 on all seven projections)")
@@ -647,7 +646,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--doc-words", default="200,3000", help="document length range in words, LOW,HIGH")
     ap.add_argument("--profile", action="store_true", help="ligermodels.train --profile; table under results/profiles")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run (--max-batch: per implementation)")
-    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--results", default=RESULTS)
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--worker", choices=(*IMPLS, "base"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -657,8 +656,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.worker:
         return args
-    from benchmarks.bench_e2e import MODELS
-
     if args.impls is None:
         args.impls = list(LORA_IMPLS[:3] if args.lora or args.max_batch else DEFAULT_FULL_IMPLS)
     lora = [i for i in args.impls if i in LORA_IMPLS]
@@ -708,8 +705,6 @@ def main(argv=None) -> None:
             row = bare_worker(args)
         print(json.dumps(row))
         return
-    from benchmarks.harness import environment
-
     env = environment()
     low, high = (int(v) for v in args.doc_words.split(","))
     work = os.path.abspath(args.out)
@@ -750,8 +745,7 @@ def main(argv=None) -> None:
             print({k: v for k, v in row.items() if k not in ("losses", "error")}, row.get("error", "")[-600:],
                   flush=True)
             shape_rows.append(row)
-            # written after every run: a later one that runs out of time loses nothing (a call's time limit
-            # once cut a shape before its finished runs were written)
+            # written after every run: a later one that runs out of time loses nothing
             if args.lora:
                 write_lora(args, env, rows + shape_rows, [], low, high)
             else:
@@ -765,8 +759,6 @@ def main(argv=None) -> None:
 
 
 def write(args, env: dict, rows: list[dict], checks: dict, low: int, high: int) -> None:
-    from benchmarks.harness import write_results
-
     payload = {"benchmark": "training loops users run: ligermodels.train vs transformers.Trainer",
                "settings": {"seq": args.seq, "steps": args.steps, "warmup_steps_dropped": args.warmup,
                             "ac": args.ac, "doc_words": [low, high], "lr": LR, "lr_schedule": "constant",
@@ -819,8 +811,6 @@ def merge_lora_results(old: dict, rows: list[dict], fits: list[dict], settings: 
 
 def write_lora(args, env: dict, rows: list[dict], fits: list[dict], low: int, high: int) -> dict:
     """Merge into ``results/lora-<gpu>-<date><tag>.json`` (:func:`merge_lora_results`); its checks."""
-    from benchmarks.harness import write_results
-
     gpu = (env.get("gpu") or "cpu").replace(" ", "_")
     name = f"lora-{gpu}-{env['date']}{args.tag}"
     path = os.path.join(args.results, name + ".json")

@@ -19,37 +19,21 @@ import re
 import sys
 from collections import defaultdict
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
+from benchmarks.common import RESULTS, ROOT, newest_results
+
 #: The generated blocks each file holds (paths relative to the repository root).
 TARGETS = {
     "README.md": ("headline",),
     "docs/performance.md": ("summary", "training", "lora", "step", "scale", "attention", "kernels", "flce",
                             "linear", "decode"),
 }
-#: Display names of the benchmark shapes (public configs, benchmarks/bench_e2e.py MODELS).
+#: Display names of the benchmark shapes (public configs, benchmarks/common.py MODELS).
 MODEL_NAMES = {"llama-1b": "Llama-3.2-1B", "qwen2-1.5b": "Qwen2-1.5B", "qwen2-7b": "Qwen2-7B",
                "qwen3-1.7b": "Qwen3-1.7B", "gemma-2b": "Gemma-2B", "gemma2-2b": "Gemma-2-2B"}
 
 
-def newest_results(prefix: str, gpu: str | None = None, results: str | None = None) -> str | None:
-    """Path of the newest ``<prefix>-*.json`` under ``results`` (default benchmarks/results), optionally only
-    those recorded on ``gpu``: by the ``date`` each file records, then by file name (``...-2026-11-23b`` after
-    ``...-2026-11-23``). Not by modification time: after a checkout every file has about the same one."""
-    best = None
-    for path in glob.glob(os.path.join(results or RESULTS, f"{prefix}-*.json")):
-        with open(path) as f:
-            data = json.load(f)
-        if gpu is not None and data.get("gpu") != gpu:
-            continue
-        key = (str(data.get("date", "")), os.path.basename(path))
-        if best is None or key > best[0]:
-            best = (key, path)
-    return best[1] if best else None
-
-
 def _latest(prefix: str) -> dict | None:
-    path = newest_results(prefix)
+    path = newest_results(prefix, results=RESULTS)
     if path is None:
         return None
     with open(path) as f:
@@ -598,7 +582,7 @@ def kernels_table(d: dict) -> str:
     to eager and torch.compile, and our wall time per call.
 
     Rows with ``timing: "cuda-kernels"`` carry kernel time in ``ms`` (host overhead excluded; see
-    benchmarks/harness.py) and wall time in ``wall_ms``; rows of older runs (no ``timing``) carry wall
+    benchmarks/common.py) and wall time in ``wall_ms``; rows of older runs (no ``timing``) carry wall
     time in ``ms`` and are marked as such. Rows carried from an earlier run (``from_run``) name their own
     command and commit.
     """

@@ -83,7 +83,7 @@ def test_titan_config_round_trips_through_toml():
     assert parsed["compile"] == {"enable": True, "components": ["model", "loss"]}
     assert parsed["lr_scheduler"] == {"warmup_steps": 0, "decay_ratio": 0.0}
     assert parsed["optimizer"]["lr"] == bs.LR and parsed["checkpoint"] == {"enable": False}
-    assert parsed["experimental"] == {"custom_import": "benchmarks.titan_flavors"}
+    assert parsed["experimental"] == {"custom_import": "benchmarks.titan.flavors"}
     full = bs.titan_config(_args(), "titan", "full", "m", "d/x.jsonl", "o")
     assert full["model"]["flavor"] == "8B" and "experimental" not in full and full["compile"]["enable"] is False
     with pytest.raises(TypeError, match="no TOML form"):

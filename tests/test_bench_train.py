@@ -17,8 +17,8 @@ import os
 import pytest
 import torch
 
-from benchmarks import bench_e2e
 from benchmarks import bench_train as bt
+from benchmarks import common
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -201,7 +201,7 @@ def test_fits_catches_out_of_memory_only():
 def tiny(tmp_path_factory):
     """WORK/tiny/{model, data.jsonl, base}: the bench's inputs and bf16 base checkpoint for the TINY shape."""
     work = str(tmp_path_factory.mktemp("bench_train"))
-    bench_e2e.MODELS["tiny"] = TINY
+    common.MODELS["tiny"] = TINY
     try:
         model_dir, data = bt.write_inputs(work, "tiny", 4 * BATCH * SEQ * STEPS, (20, 100))
         base = os.path.join(work, "tiny", "base")
@@ -210,7 +210,7 @@ def tiny(tmp_path_factory):
                               str(STEPS), "--warmup", "0"])
         yield {"work": work, "base": base, "data": data, "args": args}
     finally:
-        del bench_e2e.MODELS["tiny"]
+        del common.MODELS["tiny"]
 
 
 def test_the_base_is_bf16_and_reused(tiny, monkeypatch):

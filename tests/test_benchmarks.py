@@ -1,4 +1,4 @@
-"""The benchmark definitions that can be checked without a GPU: the end-to-end model shapes (benchmarks/bench_e2e.py
+"""The benchmark definitions that can be checked without a GPU: the end-to-end model shapes (benchmarks/common.py
 MODELS) describe the same model to ligermodels and to transformers, the flop count, the transformers attention
 each family needs, the eager baselines of the rope-variant kernel cases compute what our ops compute, the attention
 benchmark's rows at a soft-capped shape, the report (docs/performance.md and the README's headline table) reads the
@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-from benchmarks import bench_attention, bench_e2e, report
-from benchmarks import kernels_rope_variants as rv
+from benchmarks import bench_attention, common, report
+from benchmarks.kernel_cases import rope_variants as rv
 from ligermodels.families import config_from_hf, family_of
 from tests.utils import DEVICE, assert_triton_runs
 
@@ -29,17 +29,17 @@ transformers = pytest.importorskip("transformers")
 
 
 # ------------------------------------------------------------------------------------ e2e shapes
-@pytest.mark.parametrize("name", sorted(bench_e2e.MODELS))
+@pytest.mark.parametrize("name", sorted(common.MODELS))
 def test_model_shape_builds_the_same_model_in_ligermodels_and_transformers(name):
     """Each MODELS entry reads as a ligermodels config, and the model built from it has as many parameters as
     transformers' model of the same dict (both on the meta device: no memory)."""
-    d = bench_e2e.MODELS[name]
+    d = common.MODELS[name]
     config = config_from_hf(d)
     hf_config = transformers.AutoConfig.for_model(**d)
     with torch.device("meta"):
         ours = family_of(d["model_type"]).cls(config)
         theirs = transformers.AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation=bench_e2e.hf_attention(d["model_type"]))
+            hf_config, attn_implementation=common.hf_attention(d["model_type"]))
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
     assert config.tie_embeddings == hf_config.tie_word_embeddings
     assert config.head_dim == getattr(hf_config, "head_dim", d["hidden_size"] // d["num_attention_heads"])
@@ -49,11 +49,11 @@ def test_model_shape_builds_the_same_model_in_ligermodels_and_transformers(name)
 def test_new_model_shapes_read_their_mechanisms_as_transformers_does():
     """Qwen3-1.7B (q/k head norms, no window) and Gemma-2-2B (soft-capping, attention scale, alternate windows)
     mean the same thing to both libraries."""
-    qwen3 = config_from_hf(bench_e2e.MODELS["qwen3-1.7b"])
+    qwen3 = config_from_hf(common.MODELS["qwen3-1.7b"])
     assert qwen3.qk_norm and qwen3.layer_windows == (None,) * 28 and qwen3.rope.theta == 1_000_000.0
     assert sum(p.numel() for p in family_of("qwen3").cls(qwen3).to("meta").parameters()) == 1_720_574_976
 
-    d = bench_e2e.MODELS["gemma2-2b"]
+    d = common.MODELS["gemma2-2b"]
     gemma2, hf = config_from_hf(d), transformers.AutoConfig.for_model(**d)
     assert gemma2.attn_softcap == hf.attn_logit_softcapping == 50.0
     assert gemma2.final_softcap == hf.final_logit_softcapping == 30.0
@@ -65,12 +65,12 @@ def test_new_model_shapes_read_their_mechanisms_as_transformers_does():
 def test_hf_baselines_use_an_attention_that_computes_the_models_math():
     """Gemma 2's transformers baseline attends eagerly (the soft-cap applied); the other families through SDPA.
     Every model type has a Liger-Kernel patch named."""
-    assert bench_e2e.hf_attention("gemma2") == "eager"
-    assert {bench_e2e.hf_attention(d["model_type"]) for d in bench_e2e.MODELS.values()} == {"sdpa", "eager"}
-    assert {d["model_type"] for d in bench_e2e.MODELS.values()} <= set(bench_e2e.LIGER_PATCH)
+    assert common.hf_attention("gemma2") == "eager"
+    assert {common.hf_attention(d["model_type"]) for d in common.MODELS.values()} == {"sdpa", "eager"}
+    assert {d["model_type"] for d in common.MODELS.values()} <= set(common.LIGER_PATCH)
     cfg = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                     num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=bench_e2e.hf_attention("gemma2"))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=common.hf_attention("gemma2"))
     assert model.config._attn_implementation == "eager" and model.config.attn_logit_softcapping == 50.0
 
 
@@ -78,17 +78,17 @@ def test_step_flops_counts_sliding_windows():
     """Without windows (or windows no shorter than the sequence) the count is the causal half S^2 / 2 per layer;
     Gemma-2-2B's 13 sliding layers at S = 8192 count S*W - W^2/2 pairs with W = 4096."""
     def closed_form(name, batch, seq):
-        d = bench_e2e.MODELS[name]
+        d = common.MODELS[name]
         h, layers, hq = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
         hd, hkv = d.get("head_dim", h // hq), d["num_key_value_heads"]
         params = layers * (h * (hq + 2 * hkv) * hd + hq * hd * h + 3 * h * d["intermediate_size"]) + d["vocab_size"] * h
         return 6 * params * batch * seq + 3 * 4 * batch * seq * seq * hq * hd * layers / 2, 12 * batch * hq * hd
 
-    for name in bench_e2e.MODELS:
-        assert bench_e2e.step_flops(name, 4, 2048) == pytest.approx(closed_form(name, 4, 2048)[0], rel=1e-12)
+    for name in common.MODELS:
+        assert common.step_flops(name, 4, 2048) == pytest.approx(closed_form(name, 4, 2048)[0], rel=1e-12)
     full, per_pair = closed_form("gemma2-2b", 2, 8192)
     saved = 13 * (8192 * 8192 / 2 - (8192 * 4096 - 4096 * 4096 / 2))
-    assert bench_e2e.step_flops("gemma2-2b", 2, 8192) == pytest.approx(full - per_pair * saved, rel=1e-12)
+    assert common.step_flops("gemma2-2b", 2, 8192) == pytest.approx(full - per_pair * saved, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- rope-variant kernel cases
@@ -133,7 +133,7 @@ def test_rope_variant_baselines_compute_what_our_op_computes(case):
 
 
 def test_rope_variant_bytes_follow_the_stated_count():
-    """The bytes the harness divides by: Qwen3-1.7B q/k norm + RoPE at 4 x 2048 tokens in bf16 (24 q/k heads of
+    """The bytes compare_impls divides by: Qwen3-1.7B q/k norm + RoPE at 4 x 2048 tokens in bf16 (24 q/k heads of
     128: read + write forward, 3x backward, plus cos and sin), and the partial in-place rotation (96 channels,
     both passes: the backward rotates the incoming gradient in place too)."""
     t, qk = 4 * 2048, 4 * 2048 * 24 * 128 * 2
@@ -174,9 +174,9 @@ def test_report_reads_the_newest_results_by_date_and_shows_new_ops(tmp_path):
     write("kernels-H100-2026-12-01.json", "2026-12-01", "H100", [])
     write("kernels-H100-2026-12-01b.json", "2026-12-01", "H100", [])
     write("kernels-H200-2026-12-02.json", "2026-12-02", "H200", [])
-    assert report.newest_results("kernels", results=str(tmp_path)).endswith("H200-2026-12-02.json")
-    assert report.newest_results("kernels", gpu="H100", results=str(tmp_path)).endswith("H100-2026-12-01b.json")
-    assert report.newest_results("kernels", gpu="A100", results=str(tmp_path)) is None
+    assert common.newest_results("kernels", results=str(tmp_path)).endswith("H200-2026-12-02.json")
+    assert common.newest_results("kernels", gpu="H100", results=str(tmp_path)).endswith("H100-2026-12-01b.json")
+    assert common.newest_results("kernels", gpu="A100", results=str(tmp_path)) is None
 
     def row(op, impl, pas, ms):
         return {"op": op, "shape": "4x2048x16/8x128", "impl": impl, "pass": pas, "ms": ms, "wall_ms": ms,

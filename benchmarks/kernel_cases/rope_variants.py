@@ -2,7 +2,8 @@
 Gemma 3), partial rotary (Phi-4-mini) and interleaved partial rotary (GLM-4). Ours against eager PyTorch doing
 what transformers does and against torch.compile of that eager code.
 
-Ops (the ``op`` of a row; the README's kernel table has one line per op and pass, min-max over its shapes):
+Ops (the ``op`` of a row; docs/performance.md's kernel table has one line per op and pass, min-max over its
+shapes):
 
 * ``qk_norm_rope``: ``apply_qk_norm_rope_qkv_`` in place on the packed (B, S, (Hq + 2*Hkv) * D) projection
   output, as the attention block runs it (``reuse_grad=True``: the backward writes over the incoming gradient).
@@ -19,26 +20,27 @@ Ops (the ``op`` of a row; the README's kernel table has one line per op and pass
   of 128 channels (GLM-4-9B, Glm4Config's defaults: 32 / 2 heads, ``partial_rotary_factor`` 0.5), against
   transformers' GLM-4 code (``cos[..., :R/2].repeat_interleave(2)``, rotate the even/odd pairs).
 
-cos / sin are per token (B, S, R) in the model dtype, as transformers passes them and as benchmarks/kernels_rope.py
-does. B x S: 4 x 2048 (the end-to-end benchmarks' batch 4 at seq 2048) and 4 x 8192.
+cos / sin are per token (B, S, R) in the model dtype, as transformers passes them and as
+benchmarks/kernel_cases/rope.py does. B x S: 4 x 2048 (the end-to-end benchmarks' batch 4 at seq 2048) and
+4 x 8192.
 
-Timing an in-place op. The harness calls each implementation many times on the same inputs, and an in-place op
-cannot take a leaf that requires grad. Ours therefore receives the leaf through :class:`_Alias`, an autograd
-Function whose forward returns ``qkv.detach()`` (the same storage, no kernel) and whose backward passes the
-gradient through (no kernel): every call then modifies the one buffer in place and gets a fresh, short graph, so
-the kernel time is the op's alone (the wall time includes one extra Python-level Function call). Repeated calls
-rotate (and normalise) the buffer again, and with ``reuse_grad`` the backward rewrites the harness's output
-gradient each call; the kernels' time does not depend on the values. The baselines take separate contiguous q and
-k, as transformers' projections produce them, so their backward is timed with respect to those tensors (no
-slicing or concatenation counted).
+Timing an in-place op. The timing (:func:`benchmarks.common.compare_impls`) calls each implementation many times
+on the same inputs, and an in-place op cannot take a leaf that requires grad. Ours therefore receives the leaf
+through :class:`_Alias`, an autograd Function whose forward returns ``qkv.detach()`` (the same storage, no kernel)
+and whose backward passes the gradient through (no kernel): every call then modifies the one buffer in place and
+gets a fresh, short graph, so the kernel time is the op's alone (the wall time includes one extra Python-level
+Function call). Repeated calls rotate (and normalise) the buffer again, and with ``reuse_grad`` the backward
+rewrites the timing's output gradient each call; the kernels' time does not depend on the values. The baselines
+take separate contiguous q and k, as transformers' projections produce them, so their backward is timed with
+respect to those tensors (no slicing or concatenation counted).
 
 Bytes counted, the fewest each pass must move for the math (T = B*S tokens, s bytes per element, cos and sin
 read once per token: 2*T*R*s; the (D,) norm weights and their gradients are negligible and not counted):
 
 * ``qk_norm_rope``: forward 3*T*(Hq + Hkv)*D*s: read the q and k heads, write them normalised and rotated,
-  and write them once more as read, for the backward. That last write is what the in-place design costs and
-  the issue asks for in-place: the output overwrites the input, which the norm's backward needs (an
-  out-of-place baseline keeps its input alive instead, at the price of one more (T, Hq + Hkv, D) buffer).
+  and write them once more as read, for the backward. That last write is what working in place costs: the
+  output overwrites the input, which the norm's backward needs (an out-of-place baseline keeps its input alive
+  instead, at the price of one more (T, Hq + Hkv, D) buffer).
   The v heads are not touched. Backward 3*T*(Hq + Hkv)*D*s (read the output gradient and the saved input of
   the q and k heads, write their input gradient over the output gradient; the v heads' gradient is already
   in place). Not counted: the fp32 partial weight gradients (one (2, D) row per program) and their sum.
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.harness import compare_impls
+from benchmarks.common import compare_impls
 from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
 
 EPS = 1e-6

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import compare_impls
+from benchmarks.common import compare_impls
 from kernels.cross_entropy import cross_entropy
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import timed_pass, timing_row
+from benchmarks.common import timed_pass, timing_row
 from kernels import AdamW
 
 #: (hidden, intermediate, layers, q heads, kv heads, head_dim, vocab, qkv bias) of the models whose parameters are used.

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from benchmarks.harness import compare_impls
+from benchmarks.common import compare_impls
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 
 EPS = 1e-6

@@ -3,7 +3,7 @@
 torchtitan picks a model by ``--model.flavor`` from ``torchtitan.models.llama3.llama3_args`` and has no
 flag for the layer count, so a run on fewer layers (``bench_scale --layers N``, e.g. a one-GPU smoke
 test that an 8B model would not fit) needs its own flavor. torchtitan imports this module in its
-trainer process (``--experimental.custom_import benchmarks.titan_flavors``, set by bench_scale); it
+trainer process (``--experimental.custom_import benchmarks.titan.flavors``, set by bench_scale); it
 adds ``8B_layers{N}`` (SDPA, causal over the whole row) and ``8B_flex_layers{N}`` (FlexAttention,
 causal within documents) for N = 1..32, each torchtitan's ``8B`` / ``8B_flex`` with ``n_layers = N``.
 
@@ -16,7 +16,7 @@ import dataclasses
 
 from torchtitan.models.llama3 import llama3_args
 
-from benchmarks.bench_scale import titan_flavor
+from benchmarks.common import titan_flavor
 
 for _n in range(1, 33):
     for _attention, _base in (("causal", "8B"), ("documents", "8B_flex")):

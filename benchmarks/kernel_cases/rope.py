@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.harness import compare_impls
+from benchmarks.common import compare_impls
 from kernels.rope import apply_rope
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
