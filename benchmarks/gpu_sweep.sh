@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device call: GPU test-suite, then kernel, attention, loss, decode and end-to-end benchmarks.
+# One command on a GPU machine: the test suite, then kernel, attention, loss, decode and end-to-end benchmarks.
 # Usage on the GPU machine (repo root):
 #   bash benchmarks/gpu_sweep.sh [tests|kernels|attention|linear|flce|decode|e2e|all]...
-# Everything (logs, results JSON, profiles) is written to /tmp/sweep and packed into $OUT/sweep.tgz at the
-# end (the device tool returns at most 8 files). Each step has its own time limit (seconds), so the pack
+# Everything (logs, results JSON, profiles) is written to /tmp/sweep and packed into one archive, $OUT/sweep.tgz,
+# at the end. Each step has its own time limit (seconds), so the pack
 # still happens when one step hangs:
 #   T_TEST_FILE T_KERNELS T_LINEAR T_FLCE T_DECODE T_E2E T_ATTENTION   (TEST_FILES limits the test files)
 # KERNELS="rms_norm rope" limits the kernel families (rows of the others are kept from the newest committed JSON
