@@ -108,12 +108,13 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
 
     # -- inputs: every rank reads and checks them the same way, so a bad input stops every rank
     inputs = load_inputs(config)
-    resume = latest_checkpoint(config.out) if config.resume else None  # (path, train_state)
-    config = config.resolved(inputs.config.max_position_embeddings, resume[1] if resume else None)
+    found = latest_checkpoint(config.out) if config.resume else None
+    resume_path, resume_state = found or (None, None)
+    config = config.resolved(inputs.config.max_position_embeddings, resume_state)  # once; nothing changes it later
     global_rows = config.batch_size * world * config.grad_accum
     fingerprint = resume_inputs(inputs, global_rows)
-    if resume is not None:
-        check_resume(resume[1], config, fingerprint, resume[0])
+    if resume_state is not None:
+        check_resume(resume_state, config, fingerprint, resume_path)
     rows = PackedRows(inputs.documents, config.seq_len, config.seed)
 
     # -- model, optimiser, schedule
@@ -128,12 +129,12 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(i))
     torch.manual_seed(config.seed + rank)  # dropout, if the model has any: differs per rank, restored on resume
     step, rows_consumed = 0, 0
-    if resume is not None:
-        load_checkpoint(resume[0], model, optimizer, rank, device)
-        scheduler.load_state_dict(resume[1]["scheduler"])
-        step, rows_consumed = resume[1]["step"], resume[1]["rows_consumed"]
-        say(f"resumed from {resume[0]} (step {step})")
-    metrics = MetricsLog(config, rank, step if resume is not None else None)
+    if resume_state is not None:
+        load_checkpoint(resume_path, model, optimizer, rank, device)
+        scheduler.load_state_dict(resume_state["scheduler"])
+        step, rows_consumed = resume_state["step"], resume_state["rows_consumed"]
+        say(f"resumed from {resume_path} (step {step})")
+    metrics = MetricsLog(config, rank, step if resume_state is not None else None)
 
     c = inputs.config
     tokens_per_step = global_rows * config.seq_len
