@@ -21,6 +21,8 @@ RUNTIME_DEPENDENCIES: dict[str, tuple[str, str]] = {
     "safetensors": ("safetensors", "reading and writing checkpoints (never pickle)"),
     "huggingface_hub": ("huggingface_hub", "resolving and downloading hub repo ids"),
     "tokenizers": ("tokenizers", "the checkpoints' tokenizer.json, and the demo's character tokenizer"),
+    "jinja2": ("jinja2", "rendering a checkpoint's chat template for conversation training data, in Jinja's sandbox "
+                         "as transformers renders it"),
     "numpy": ("numpy", "torch.distributed's object collectives (checkpoint planning in torch.distributed.checkpoint, "
                        "broadcast_object_list) decode through numpy, and torch's wheels do not install it"),
 }

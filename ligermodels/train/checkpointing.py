@@ -119,6 +119,8 @@ def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
     data = hashlib.sha256()
     for doc in inputs.documents:
         data.update(array("q", [len(doc.ids), doc.no_loss, *doc.ids]).tobytes())
+        if doc.mask is not None:  # a conversation: which tokens carry the loss
+            data.update(bytes(doc.mask))
     c = inputs.config
     config = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)
               if f.name != "hf_config" and not (f.name in _LATER_FIELDS and getattr(c, f.name) == f.default)}

@@ -54,8 +54,11 @@ class TrainConfig:
     model: str | None = _flag(None, "HF checkpoint: local directory or hub repo id (config.json, safetensors, "
                                     "tokenizer.json)")
     from_scratch: bool = _flag(False, "random init from --model's config.json instead of loading its weights")
-    data: str | None = _flag(None, "JSON-lines file of {\"text\"} or {\"prompt\", \"completion\"} records")
+    data: str | None = _flag(None, "JSON-lines file of {\"text\"}, {\"prompt\", \"completion\"} or {\"messages\"} "
+                                   "records")
     out: str | None = _flag(None, "output directory (checkpoints, metrics.jsonl, final/)")
+    chat_loss: str = _flag("assistant", "conversations ({\"messages\"} lines): the loss on the assistant turns, or on "
+                                        "every token", ("assistant", "all"))
     seq_len: int | None = _flag(None, "tokens per packed row, at most the model's max_position_embeddings "
                                       "(default for a run: min(2048, that))")
     batch_size: int | None = _flag(None, "rows per rank per micro-batch")

@@ -3,7 +3,11 @@
 Input format, one JSON object per line (blank lines are skipped, other keys are ignored):
 
 * ``{"text": "..."}``: a document with a loss on every token;
-* ``{"prompt": "...", "completion": "..."}``: a loss on the completion only.
+* ``{"prompt": "...", "completion": "..."}``: a loss on the completion only;
+* ``{"messages": [{"role": "...", "content": "..."}, ...]}``: a conversation, rendered with the checkpoint's chat
+  template as transformers renders it (:mod:`ligermodels.train.chat`), its tokens exactly those of
+  ``apply_chat_template``; the loss on the assistant turns (``--chat-loss assistant``) or on every token
+  (``--chat-loss all``). The template adds whatever BOS or end-of-turn tokens it adds; nothing else is added.
 
 Tokens: each document is ``[BOS] + encode(text) + [EOS]``, or ``[BOS] + encode(prompt) +
 encode(completion) + [EOS]`` (prompt and completion are encoded separately, so no token straddles
@@ -53,6 +57,7 @@ from ligermodels.config import DecoderConfig
 from ligermodels.families import config_from_hf, family_of
 from ligermodels.model import CausalLM
 from ligermodels.tokenizer import load_tokenizer
+from ligermodels.train.chat import ChatTemplate, ChatTemplateError, check_messages
 from ligermodels.train.config import TrainConfig, TrainError
 
 IGNORE_INDEX = -100
@@ -64,10 +69,13 @@ class DataError(ValueError):
 
 @dataclass
 class Example:
-    """One line of the data file: ``prompt`` is "" for plain text (loss on all of ``text``)."""
+    """One line of the data file: ``prompt`` is "" for plain text (loss on all of ``text``); a conversation has
+    ``messages`` (and empty ``prompt`` and ``text``). ``where`` names the file and line, for errors found later."""
 
     prompt: str
     text: str
+    messages: list[dict] | None = None
+    where: str = ""
 
 
 def read_jsonl(path: str) -> list[Example]:
@@ -88,15 +96,21 @@ def read_jsonl(path: str) -> list[Example]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
             rec = rec if isinstance(rec, dict) else {}
+            where = f"{path} line {lineno}"
             if isinstance(rec.get("text"), str):
-                example = Example("", rec["text"])
+                example = Example("", rec["text"], where=where)
             elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
-                example = Example(rec["prompt"], rec["completion"])
+                example = Example(rec["prompt"], rec["completion"], where=where)
+            elif "messages" in rec:
+                problem = check_messages(rec["messages"])
+                if problem:
+                    raise DataError(f"{where}: {problem}")
+                example = Example("", "", rec["messages"], where)
             else:
-                raise DataError(f'{path} line {lineno}: expected {{"text": str}} or '
-                                f'{{"prompt": str, "completion": str}}, got {line.strip()[:80]!r}')
+                raise DataError(f'{where}: expected {{"text": str}}, {{"prompt": str, "completion": str}} or '
+                                f'{{"messages": [...]}}, got {line.strip()[:80]!r}')
             try:  # a JSON escape such as "\ud800" makes a lone surrogate, which no tokenizer takes
-                (example.prompt + example.text).encode("utf-8")
+                (example.prompt + example.text + json.dumps(example.messages, ensure_ascii=False)).encode("utf-8")
             except UnicodeEncodeError as e:
                 surrogate = e.object[e.start]
                 raise DataError(f"{path} line {lineno}: not valid Unicode (lone surrogate {surrogate!r})") from None
@@ -156,18 +170,57 @@ def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int
 
 @dataclass
 class Document:
-    """Token ids of one example and how many leading tokens carry no loss (BOS + prompt)."""
+    """Token ids of one example and which carry a loss: all but the first ``no_loss`` (BOS + prompt), or where
+    ``mask`` is true (a conversation's assistant turns)."""
 
     ids: list[int]
     no_loss: int
+    mask: list[bool] | None = None
+
+    def trains(self) -> bool:
+        """Whether a token after the first carries a loss (the first has no label: it starts the document)."""
+        return any(self.mask[1:]) if self.mask is not None else len(self.ids) > max(self.no_loss, 1)
 
 
-def tokenize(examples: list[Example], tokenizer, bos: int | None, eos: int | None) -> list[Document]:
-    """Tokenize examples into documents (batched: the Rust tokenizer works in parallel)."""
-    prompts = tokenizer.encode_batch([e.prompt for e in examples], add_special_tokens=False)
-    texts = tokenizer.encode_batch([e.text for e in examples], add_special_tokens=False)
+def tokenize(examples: list[Example], tokenizer, bos: int | None, eos: int | None,
+             chat: ChatTemplate | None = None, chat_loss: str = "assistant") -> list[Document]:
+    """Tokenize examples into documents (batched: the Rust tokenizer works in parallel). Conversations need the
+    checkpoint's ``chat`` template; ``chat_loss`` "assistant" or "all" (see the module docstring)."""
+    plain = [e for e in examples if e.messages is None]
+    prompts = tokenizer.encode_batch([e.prompt for e in plain], add_special_tokens=False)
+    texts = tokenizer.encode_batch([e.text for e in plain], add_special_tokens=False)
     head, tail = ([bos] if bos is not None else []), ([eos] if eos is not None else [])
-    return [Document(head + p.ids + t.ids + tail, len(head) + len(p.ids)) for p, t in zip(prompts, texts, strict=True)]
+    documents = iter([Document(head + p.ids + t.ids + tail, len(head) + len(p.ids))
+                      for p, t in zip(prompts, texts, strict=True)])
+    chats = iter(_chat_documents([e for e in examples if e.messages is not None], tokenizer, chat, chat_loss))
+    return [next(chats) if e.messages is not None else next(documents) for e in examples]
+
+
+def _chat_documents(examples: list[Example], tokenizer, chat: ChatTemplate | None, chat_loss: str) -> list[Document]:
+    """The conversations' documents: the rendered text's tokens, a loss on those that overlap an assistant span."""
+    if examples and chat is None:
+        raise DataError(f"{examples[0].where}: a conversation (\"messages\"), but the checkpoint has no chat template "
+                        "(chat_template.jinja, or chat_template in tokenizer_config.json)")
+    texts, all_spans = [], []
+    for e in examples:
+        try:
+            text, spans = chat.loss_spans(e.messages) if chat_loss == "assistant" else (chat.render(e.messages), None)
+        except ChatTemplateError as err:
+            raise DataError(f"{e.where}: {err}") from None
+        texts.append(text)
+        all_spans.append(spans)
+    out = []
+    for spans, enc in zip(all_spans, tokenizer.encode_batch(texts, add_special_tokens=False), strict=True):
+        if spans is None:
+            out.append(Document(enc.ids, 0, [True] * len(enc.ids)))
+            continue
+        mask, k = [], 0  # spans and token offsets are both in order: one pass
+        for start, end in enc.offsets:
+            while k < len(spans) and start >= spans[k][1]:
+                k += 1
+            mask.append(k < len(spans) and end > spans[k][0])
+        out.append(Document(enc.ids, 0, mask))
+    return out
 
 
 class PackedRows:
@@ -187,7 +240,10 @@ class PackedRows:
         starts = torch.zeros(len(self.tokens), dtype=torch.bool)
         self.offsets = torch.cumsum(lengths, 0) - lengths  # start of each document in self.tokens
         for off, d in zip(self.offsets.tolist(), documents, strict=True):
-            has_loss[off:off + d.no_loss] = False
+            if d.mask is None:
+                has_loss[off:off + d.no_loss] = False
+            else:
+                has_loss[off:off + len(d.ids)] = torch.tensor(d.mask, dtype=torch.bool)
             if d.ids:
                 starts[off] = True
         self.has_loss, self.starts, self.lengths = has_loss, starts, lengths
@@ -254,8 +310,13 @@ def load_inputs(config: TrainConfig) -> Inputs:
         safetensors_files(model_dir)  # fail here, on every rank, rather than on rank 0 alone later
     tokenizer = load_tokenizer(model_dir)
     bos, eos = special_token_ids(tokenizer, model_dir)
-    documents = tokenize(read_jsonl(config.data_file), tokenizer, bos, eos)
-    if not any(len(d.ids) > max(d.no_loss, 1) for d in documents):  # a document's first token has no label
+    examples = read_jsonl(config.data_file)
+    try:
+        chat = ChatTemplate.from_checkpoint(model_dir) if any(e.messages is not None for e in examples) else None
+    except ChatTemplateError as e:
+        raise DataError(str(e)) from None
+    documents = tokenize(examples, tokenizer, bos, eos, chat, config.chat_loss)
+    if not any(d.trains() for d in documents):
         raise DataError(f"{config.data_file}: no token carries a loss (every completion is empty and no EOS is added)")
     top = max((max(d.ids) for d in documents if d.ids), default=-1)
     if top >= model_config.vocab_size:
