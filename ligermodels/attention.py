@@ -273,7 +273,7 @@ def parse_sdpa_backends(spec: str) -> list[SDPBackend]:
 #: The order in which SDPA backends are tried for plain causal attention (env LIGERMODELS_SDPA_BACKENDS,
 #: e.g. "flash,efficient,math" for PyTorch's default choice). Only these backends are allowed.
 SDPA_BACKENDS: list[SDPBackend] = parse_sdpa_backends(os.environ.get("LIGERMODELS_SDPA_BACKENDS",
-                                                                "cudnn,flash,efficient,math"))
+                                                                      "cudnn,flash,efficient,math"))
 
 _compiled_flex = None
 

@@ -250,7 +250,8 @@ def test_every_results_file_is_cited_by_the_docs():
 
 
 def test_docs_and_results_state_facts_not_the_teams_process():
-    """No session, issue or lease numbers in the docs, the results files or the report's text."""
+    """The docs, the results files and the report's text state facts: nothing matches the pattern of the team's
+    working process below."""
     paths = [os.path.join(report.ROOT, "README.md"), os.path.join(report.ROOT, "benchmarks", "report.py"),
              *glob.glob(os.path.join(report.ROOT, "docs", "**", "*"), recursive=True),
              *glob.glob(os.path.join(report.RESULTS, "**", "*"), recursive=True)]

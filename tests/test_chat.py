@@ -17,7 +17,15 @@ import torch
 from tokenizers import Regex, pre_tokenizers
 
 from ligermodels.train.chat import ChatTemplate
-from ligermodels.train.data import DataError, PackedRows, read_jsonl, special_token_ids, tokenize
+from ligermodels.train.data import (
+    DataError,
+    PackedRows,
+    count_loss_tokens,
+    read_jsonl,
+    special_token_ids,
+    special_token_names,
+    tokenize,
+)
 from ligermodels.train.demo import ALPHABET, build_tokenizer
 from tests.test_train import ENV, ROOT, TIMEOUT
 
@@ -106,7 +114,7 @@ def _ours(directory: str, messages: list[dict], chat_loss: str = "assistant"):
 
     tok = load_tokenizer(directory)
     doc = tokenize([Example("", "", messages, "chat")], tok, *special_token_ids(tok, directory),
-                   ChatTemplate.from_checkpoint(directory), chat_loss)[0]
+                   ChatTemplate.from_checkpoint(directory, special_token_names(directory)), chat_loss)[0]
     return tok, doc
 
 
@@ -193,7 +201,8 @@ def test_bad_conversations_are_named_by_file_and_line(tmp_path, line, message):
         from ligermodels import load_tokenizer
 
         tok = load_tokenizer(d)
-        tokenize(read_jsonl(str(data)), tok, *special_token_ids(tok, d), ChatTemplate.from_checkpoint(d))
+        chat = ChatTemplate.from_checkpoint(d, special_token_names(d))
+        tokenize(read_jsonl(str(data)), tok, *special_token_ids(tok, d), chat)
 
 
 def test_conversations_without_a_chat_template_and_a_broken_template_are_named(tmp_path):
@@ -206,17 +215,18 @@ def test_conversations_without_a_chat_template_and_a_broken_template_are_named(t
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"text": "plain"}) + "\n" + json.dumps({"messages": CHATS[0]}) + "\n")
     tok = load_tokenizer(d)
-    assert ChatTemplate.from_checkpoint(d) is None
+    assert ChatTemplate.from_checkpoint(d, special_token_names(d)) is None
     with pytest.raises(DataError, match=f"{data} line 2: a conversation .* has no chat template"):
         tokenize(read_jsonl(str(data)), tok, *special_token_ids(tok, d), None)
     (tmp_path / "qwen2" / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
     with pytest.raises(Exception, match="chat_template.jinja: not a valid Jinja template"):
-        ChatTemplate.from_checkpoint(d)
+        ChatTemplate.from_checkpoint(d, special_token_names(d))
 
 
 def test_the_trainer_trains_on_conversations(tmp_path):
-    """``python -m ligermodels.train`` on {"messages"} lines: a tiny Llama with a Qwen2-style template; every
-    step's labelled tokens are assistant tokens."""
+    """``python -m ligermodels.train`` on {"messages"} lines: a tiny Llama with a Qwen2-style template; each step
+    counts as labelled the assistant tokens of its packed rows, no other."""
+    from ligermodels import load_tokenizer
     d = _checkpoint_dir(tmp_path, "qwen2")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -231,6 +241,12 @@ def test_the_trainer_trains_on_conversations(tmp_path):
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert res.returncode == 0, res.stderr[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 3 and all(m["tokens"] > 0 for m in metrics)
-    _, first = _ours(d, CHATS[0])
-    assert sum(first.mask) < len(first.ids)  # the loss is not on every token
+    tok = load_tokenizer(d)
+    counts = {}
+    for loss in ("assistant", "all"):
+        docs = tokenize(read_jsonl(str(data)), tok, *special_token_ids(tok, d),
+                        ChatTemplate.from_checkpoint(d, special_token_names(d)), loss)
+        rows = PackedRows(docs, seq_len=64, seed=0)
+        counts[loss] = [count_loss_tokens(rows.rows(2 * k, 2)[1]) for k in range(3)]
+    assert [m["tokens"] for m in metrics] == counts["assistant"]
+    assert all(0 < a < b for a, b in zip(counts["assistant"], counts["all"], strict=True))

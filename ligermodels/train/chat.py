@@ -29,6 +29,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from checkpoints_tools import read_json_object
+
 #: The special tokens a template sees by name, as transformers passes its tokenizer's special_tokens_map.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 #: Names a message's reasoning comes under; transformers copies any of them to ``reasoning_content`` (which chat
@@ -134,29 +136,20 @@ class ChatTemplate:
         self.marks_generation = re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
 
     @classmethod
-    def from_checkpoint(cls, directory: str) -> ChatTemplate | None:
-        """The template of a checkpoint directory (see the module docstring), or None when it has none."""
-        tok_cfg = _json(os.path.join(directory, "tokenizer_config.json"))
+    def from_checkpoint(cls, directory: str, special_tokens: dict[str, str]) -> ChatTemplate | None:
+        """The template of a checkpoint directory (see the module docstring) with the tokenizer's
+        ``special_tokens`` by name (``ligermodels.train.data.special_token_names``), or None when it has none."""
         path = os.path.join(directory, "chat_template.jinja")
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                source, where = f.read(), path
-        else:
-            source, where = tok_cfg.get("chat_template"), os.path.join(directory, "tokenizer_config.json")
-            if isinstance(source, list):
-                source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
-                              None)
-            if not isinstance(source, str):
-                return None
-        names = tok_cfg if any(k in tok_cfg for k in SPECIAL_TOKEN_NAMES) else _json(
-            os.path.join(directory, "special_tokens_map.json"))
-        special = {}
-        for name in SPECIAL_TOKEN_NAMES:
-            value = names.get(name)
-            value = value.get("content") if isinstance(value, dict) else value
-            if isinstance(value, str):
-                special[name] = value
-        return cls(source, special, where)
+                return cls(f.read(), special_tokens, path)
+        path = os.path.join(directory, "tokenizer_config.json")
+        source = read_json_object(path, ChatTemplateError, "tokenizer_config.json").get("chat_template") \
+            if os.path.isfile(path) else None
+        if isinstance(source, list):
+            source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"),
+                          None)
+        return cls(source, special_tokens, path) if isinstance(source, str) else None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False,
                spans: list[tuple[int, int]] | None = None) -> str:
@@ -194,17 +187,6 @@ class ChatTemplate:
                                         "--chat-loss all")
             spans.append((len(before), len(through)))
         return text, spans
-
-
-def _json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ChatTemplateError(f"{path} is not valid JSON ({e})") from None
-    return obj if isinstance(obj, dict) else {}
 
 
 def check_messages(messages: object) -> str | None:

@@ -57,7 +57,7 @@ from ligermodels.config import DecoderConfig
 from ligermodels.families import config_from_hf, family_of
 from ligermodels.model import CausalLM
 from ligermodels.tokenizer import load_tokenizer
-from ligermodels.train.chat import ChatTemplate, ChatTemplateError, check_messages
+from ligermodels.train.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, ChatTemplateError, check_messages
 from ligermodels.train.config import TrainConfig, TrainError
 
 IGNORE_INDEX = -100
@@ -128,35 +128,52 @@ def _json_file(directory: str | None, name: str) -> dict:
     return read_json_object(path, DataError, name)
 
 
-def _named_token_id(tokenizer, token, field: str, path: str) -> int | None:
-    """Id of a special token named in a tokenizer file (a string, or transformers' {"content": ...})."""
-    if isinstance(token, dict):
-        token = token.get("content")
-    if token is None:
-        return None
-    token_id = tokenizer.token_to_id(token) if isinstance(token, str) else None
-    if token_id is None:
-        raise DataError(f"{path}: {field} {token!r} is not a token of the tokenizer (tokenizer.json)")
-    return token_id
+def _token_files(directory: str | None) -> list[tuple[str, dict]]:
+    """(path, contents) of the tokenizer files that name special tokens, in the order that decides (as in
+    transformers): special_tokens_map.json, then tokenizer_config.json; a current tokenizer_config.json (it has
+    ``added_tokens_decoder``) alone."""
+    tok_cfg = _json_file(directory, "tokenizer_config.json")
+    files = [(os.path.join(directory, n), cfg) for n, cfg in (
+        ("special_tokens_map.json", _json_file(directory, "special_tokens_map.json")),
+        ("tokenizer_config.json", tok_cfg)) if directory and os.path.isfile(os.path.join(directory, n))]
+    if "added_tokens_decoder" in tok_cfg:
+        files = [(os.path.join(directory, "tokenizer_config.json"), tok_cfg)]
+    return files
+
+
+def _named_token(files: list[tuple[str, dict]], key: str) -> tuple[str | None, str] | None:
+    """(the token named ``key``, the file naming it) from the first of ``files`` with the key (a string, or
+    transformers' {"content": ...}; null: none), or None when no file names it."""
+    for path, cfg in files:
+        if key in cfg:
+            token = cfg[key]
+            token = token.get("content") if isinstance(token, dict) else token
+            return (token if isinstance(token, str) else None), path
+    return None
+
+
+def special_token_names(directory: str | None) -> dict[str, str]:
+    """The special tokens by name (``bos_token``, ``eos_token``, ...: :data:`SPECIAL_TOKEN_NAMES`) as the
+    tokenizer files name them, for a chat template (transformers passes its ``special_tokens_map``)."""
+    files = _token_files(directory)
+    named = {key: _named_token(files, key) for key in SPECIAL_TOKEN_NAMES}
+    return {key: found[0] for key, found in named.items() if found is not None and found[0] is not None}
 
 
 def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int | None]:
     """(BOS id, EOS id) to add to every document, by the rule in the module docstring."""
-    tok_cfg = _json_file(directory, "tokenizer_config.json")
-    token_map = _json_file(directory, "special_tokens_map.json")
-    files = [n for n in ("special_tokens_map.json", "tokenizer_config.json")
-             if directory and os.path.isfile(os.path.join(directory, n))]
-    if "added_tokens_decoder" in tok_cfg:  # a current tokenizer_config.json decides alone, as in transformers
-        files = ["tokenizer_config.json"]
-    cfgs = {"tokenizer_config.json": tok_cfg, "special_tokens_map.json": token_map}
+    files = _token_files(directory)
     model_cfg = {} if files else _json_file(directory, "config.json")  # read only without tokenizer files
     found = []
     for kind in ("bos", "eos"):
         token_id, key = None, f"{kind}_token"
         if files:  # the tokenizer files decide (a null entry included: Qwen2 has no BOS)
-            name = next((n for n in files if key in cfgs[n]), None)
-            if name is not None:
-                token_id = _named_token_id(tokenizer, cfgs[name][key], key, os.path.join(directory, name))
+            named = _named_token(files, key)
+            if named is not None and named[0] is not None:
+                token_id = tokenizer.token_to_id(named[0])
+                if token_id is None:
+                    raise DataError(f"{named[1]}: {key} {named[0]!r} is not a token of the tokenizer "
+                                    "(tokenizer.json)")
         else:
             value = model_cfg.get(f"{kind}_token_id")
             value = value[0] if isinstance(value, list) and value else value
@@ -312,7 +329,8 @@ def load_inputs(config: TrainConfig) -> Inputs:
     bos, eos = special_token_ids(tokenizer, model_dir)
     examples = read_jsonl(config.data_file)
     try:
-        chat = ChatTemplate.from_checkpoint(model_dir) if any(e.messages is not None for e in examples) else None
+        chat = (ChatTemplate.from_checkpoint(model_dir, special_token_names(model_dir))
+                if any(e.messages is not None for e in examples) else None)
     except ChatTemplateError as e:
         raise DataError(str(e)) from None
     documents = tokenize(examples, tokenizer, bos, eos, chat, config.chat_loss)

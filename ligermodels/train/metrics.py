@@ -11,6 +11,7 @@ resumed run's file keeps the lines up to its checkpoint and continues them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -163,8 +164,6 @@ class WandB:
     named after OUT, files under OUT/wandb) logging each metric as ``train/<name>``, with the run's config."""
 
     def __init__(self, config: TrainConfig, resumed_step: int | None):
-        import dataclasses
-
         import wandb
 
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "ligermodels"), dir=config.out,
