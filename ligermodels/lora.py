@@ -31,7 +31,8 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -102,6 +103,7 @@ class LoRALinear(nn.Linear):
         self.lora_slices = tuple((int(s), int(e)) for s, e in slices)
         self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_use_rslora = r, alpha, dropout, use_rslora
         self.lora_scale = alpha / (math.sqrt(r) if use_rslora else r)
+        self.lora_enabled = True  # False inside adapters_disabled(): the frozen base alone
         device = base.weight.device
         width = sum(e - s for s, e in self.lora_slices)
         self.lora_A = nn.Parameter(torch.empty(len(self.lora_targets) * r, self.in_features, device=device))
@@ -117,8 +119,10 @@ class LoRALinear(nn.Linear):
                 nn.init.kaiming_uniform_(self.lora_A[t * r:(t + 1) * r], a=math.sqrt(5))
             self.lora_B.zero_()
 
-    def low_rank(self) -> LowRank:
-        """The adapters as :class:`kernels.low_rank.LowRank` (dropout only in training mode)."""
+    def low_rank(self) -> LowRank | None:
+        """The adapters as :class:`kernels.low_rank.LowRank` (dropout only in training mode); None while disabled."""
+        if not self.lora_enabled:
+            return None
         return LowRank(self.lora_A, self.lora_B, self.lora_slices, self.lora_scale,
                        self.lora_dropout if self.training else 0.0)
 
@@ -146,6 +150,20 @@ def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     wrappers insert, such as activation checkpointing's ``_checkpoint_wrapped_module``, left out as
     ``get_model_state_dict`` leaves them out)."""
     return {_clean(n): m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every LoRA projection of ``model`` computes its frozen base alone: the model before its adapters,
+    with no second copy of the weights (a preference objective's reference model)."""
+    mods = list(lora_modules(model).values())
+    for m in mods:
+        m.lora_enabled = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.lora_enabled = True
 
 
 def _refuse_merged(model: nn.Module, what: str) -> None:
@@ -511,4 +529,4 @@ def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
 
 __all__ = ["LoRAError", "LoRALinear", "TARGETS", "PEFT_NAMES", "add_lora", "normalize_targets", "merge_lora",
            "merge_lora_state", "export_lora", "save_lora", "load_lora", "lora_modules", "lora_state_dict",
-           "trainable_parameters"]
+           "trainable_parameters", "adapters_disabled"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused_linear_cross_entropy
+from kernels import fused_linear_cross_entropy, fused_linear_logprobs
 from ligermodels.attention import AttentionMask, Documents, document_ids_from_positions
 from ligermodels.blocks import DecoderLayer, RMSNorm, RotaryEmbedding, init_linear_
 from ligermodels.config import DecoderConfig
@@ -36,6 +36,10 @@ class OutputHead(nn.Linear):
     def loss(self, h: torch.Tensor, target: torch.Tensor, **options) -> torch.Tensor:
         """:func:`kernels.fused_linear_cross_entropy` of hidden states (N, H) against targets (N,)."""
         return fused_linear_cross_entropy(h, self.weight, target, **options)
+
+    def logprobs(self, h: torch.Tensor, target: torch.Tensor, **options) -> torch.Tensor:
+        """:func:`kernels.logprobs.fused_linear_logprobs` of hidden states (N, H) for targets (N,)."""
+        return fused_linear_logprobs(h, self.weight, target, **options)
 
 
 class CausalLM(nn.Module):
@@ -141,6 +145,21 @@ class CausalLM(nn.Module):
         if self.head is None:
             return fused_linear_cross_entropy(h, self.embed.weight, target, **loss_options)
         return self.head.loss(h, target, **loss_options)  # its own method: FSDP2 gathers it when it is a unit
+
+    def token_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       document_ids: torch.Tensor | Documents | None = None, ignore_index: int = -100,
+                       strategy: str = "tokens") -> torch.Tensor:
+        """fp32 log-probabilities (B * S,) of the next tokens, without materialising logits: entry ``b * S + t`` is
+        log p(``labels[b, t + 1]`` | tokens ``..t``), 0 where that label is ``ignore_index`` and at ``t = S - 1``.
+        ``labels`` (B, S) are aligned with ``input_ids`` as in :meth:`loss`; the head is
+        :func:`kernels.logprobs.fused_linear_logprobs` (soft-capped when the config says so)."""
+        h = self.hidden_states(input_ids, position_ids, document_ids)
+        target = F.pad(labels[:, 1:], (0, 1), value=ignore_index).reshape(-1)
+        options = dict(ignore_index=ignore_index, softcap=self.config.final_softcap, strategy=strategy)
+        h = h.reshape(-1, h.shape[-1])
+        if self.head is None:
+            return fused_linear_logprobs(h, self.embed.weight, target, **options)
+        return self.head.logprobs(h, target, **options)
 
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()

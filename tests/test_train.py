@@ -442,7 +442,9 @@ def test_checkpoint_layout(run_two):
     assert state["step"] == 2 and state["rows_consumed"] == 2 * 2 * 2 and state["scheduler"]["last_epoch"] == 2
     flags = {"seq_len": 32, "seed": 0, "lr": 1e-2, "lr_schedule": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1,
              "steps": 4, "weight_decay": 0.1, "lora_rank": 0, "lora_alpha": 16.0, "lora_dropout": 0.0,
-             "lora_targets": "q,k,v,o,gate,up,down"}
+             "lora_targets": "q,k,v,o,gate,up,down", "objective": "sft", "beta": 0.1, "dpo_loss": "sigmoid",
+             "label_smoothing": 0.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0, "desirable_weight": 1.0,
+             "undesirable_weight": 1.0, "reference": "precompute"}
     assert {key: state[key] for key in RESUME_FLAGS} == flags
 
 

@@ -27,6 +27,8 @@ from array import array
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -74,6 +76,8 @@ def remove_previous_run(config: TrainConfig) -> None:
     and weights, so a bad input leaves the previous run in place)."""
     for what in ("checkpoints", "final", "merged"):
         shutil.rmtree(os.path.join(config.out, what), ignore_errors=True)
+    if os.path.isfile(path := os.path.join(config.out, REFERENCE_FILE)):
+        os.remove(path)
 
 
 def check_out_dir(config: TrainConfig) -> None:
@@ -99,7 +103,8 @@ def check_out_dir(config: TrainConfig) -> None:
 #: Flags a checkpoint records and a resumed run must repeat: they fix the data order and the lr of every
 #: step, and the restored optimiser and scheduler states carry the old lr (--steps: see check_resume).
 RESUME_FLAGS = ("seq_len", "seed", "lr", "lr_schedule", "warmup_steps", "min_lr_ratio", "steps", "weight_decay",
-                "lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+                "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "objective", "beta", "dpo_loss",
+                "label_smoothing", "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight", "reference")
 #: What else a resumed run must keep (recorded in train_state.json, checked by value, so a run or data
 #: file that moved still resumes): the tokenized data set (--data through --model's tokenizer, in file
 #: order), the model's architecture, and the rows per step (batch size x ranks x grad-accum); with the
@@ -117,6 +122,10 @@ _LATER_FIELDS = ("qk_norm", "post_norms", "attn_softcap", "final_softcap", "rope
 def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
     """The RESUME_INPUTS values of this run: hashes of the tokenized documents and of the model config."""
     data = hashlib.sha256()
+    for example in inputs.examples or []:  # a preference objective's sequences, prompt lengths and labels
+        for seq in (*example.sequences, *([example.kl] if example.kl is not None else [])):
+            data.update(array("q", [len(seq.ids), seq.prompt_len, *seq.ids]).tobytes())
+        data.update(repr(example.label).encode())
     for doc in inputs.documents:
         data.update(array("q", [len(doc.ids), doc.no_loss, *doc.ids]).tobytes())
         if doc.mask is not None:  # a conversation: which tokens carry the loss
@@ -125,7 +134,9 @@ def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
     config = {f.name: getattr(c, f.name) for f in dataclasses.fields(c)
               if f.name != "hf_config" and not (f.name in _LATER_FIELDS and getattr(c, f.name) == f.default)}
     return {"data_sha256": data.hexdigest(), "model_sha256": hashlib.sha256(repr(config).encode()).hexdigest(),
-            "data_documents": len(inputs.documents), "data_tokens": sum(len(d.ids) for d in inputs.documents),
+            "data_documents": len(inputs.documents or inputs.examples),
+            "data_tokens": sum(len(d.ids) for d in inputs.documents) + sum(
+                len(s.ids) for e in inputs.examples or [] for s in e.sequences),
             "global_rows": global_rows}
 
 
@@ -176,6 +187,35 @@ def train_state_record(config: TrainConfig, step: int, rows_consumed: int,
     return {"step": step, "rows_consumed": rows_consumed, "scheduler": scheduler.state_dict(),
             **{key: getattr(config, key) for key in RESUME_FLAGS}, "world_size": world, **inputs,
             "model": _place(config.model_source), "data": _place(config.data_file)}
+
+
+# ------------------------------------------------------------------------------------------ reference log-probs
+#: A preference run's reference log-probs (``--reference precompute``), in OUT: (examples, 2) fp32
+REFERENCE_FILE = "reference_logps.safetensors"
+
+
+def save_reference_logps(out: str, logps: torch.Tensor, inputs: dict) -> None:
+    """Write the reference log-probs with the data hash they belong to, atomically (rank 0)."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, REFERENCE_FILE)
+    save_file({"reference_logps": logps.contiguous()}, path + ".tmp", metadata={"data_sha256": inputs["data_sha256"]})
+    os.replace(path + ".tmp", path)
+
+
+def load_reference_logps(out: str, inputs: dict, examples: int) -> torch.Tensor:
+    """The reference log-probs a resumed run stored before its first step; refused when missing or written for
+    other data (the policy has moved since: they cannot be recomputed from it)."""
+    path = os.path.join(out, REFERENCE_FILE)
+    if not os.path.isfile(path):
+        raise TrainError(f"--resume: {path} is missing: the reference log-probs were computed by the model before "
+                         "its first step and cannot be recomputed now; start again with --overwrite")
+    with safe_open(path, "pt") as f:
+        if (f.metadata() or {}).get("data_sha256") != inputs["data_sha256"]:
+            raise TrainError(f"--resume: {path} was computed for other data")
+        logps = f.get_tensor("reference_logps")
+    if logps.shape != (examples, 2):
+        raise TrainError(f"--resume: {path} holds {tuple(logps.shape)} log-probs for {examples} examples")
+    return logps
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

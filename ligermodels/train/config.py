@@ -59,9 +59,31 @@ class TrainConfig:
     out: str | None = _flag(None, "output directory (checkpoints, metrics.jsonl, final/)")
     chat_loss: str = _flag("assistant", "conversations ({\"messages\"} lines): the loss on the assistant turns, or on "
                                         "every token", ("assistant", "all"))
+    objective: str = _flag("sft", "what the run optimises: sft (next-token cross-entropy), or a preference objective "
+                                  "as TRL computes it: dpo, orpo, simpo ({\"prompt\", \"chosen\", \"rejected\"} "
+                                  "lines), kto ({\"prompt\", \"completion\", \"label\"} lines)",
+                           ("sft", "dpo", "orpo", "simpo", "kto"))
+    beta: float = _flag(0.1, "dpo, kto, simpo: the inverse temperature beta; orpo: the odds-ratio term's weight "
+                             "lambda (TRL's beta)")
+    dpo_loss: str = _flag("sigmoid", "dpo: TRL's loss_type (ipo: the log-ratios per completion token; robust: "
+                                     "--label-smoothing is the probability that a preference is flipped)",
+                          ("sigmoid", "hinge", "ipo", "robust"))
+    label_smoothing: float = _flag(0.0, "dpo with --dpo-loss robust, and simpo: the label smoothing epsilon")
+    simpo_gamma: float = _flag(0.5, "simpo: the target reward margin gamma")
+    cpo_alpha: float = _flag(0.0, "simpo: weight of the chosen completions' NLL added to the loss (TRL's cpo_alpha; "
+                                  "SimPO itself has none, TRL's CPOConfig defaults to 1.0)")
+    desirable_weight: float = _flag(1.0, "kto: weight of the desirable examples' losses")
+    undesirable_weight: float = _flag(1.0, "kto: weight of the undesirable examples' losses")
+    reference: str = _flag("precompute", "dpo, kto: the reference log-probs: precompute = one pass of the initial "
+                                         "model over the data before training, kept in OUT/reference_logps."
+                                         "safetensors and reused on resume; model = a frozen copy run every step "
+                                         "(bf16 on cuda, no gradients, sharded as the policy). With LoRA the "
+                                         "reference is the base with the adapters off, never a copy",
+                           ("precompute", "model"))
     seq_len: int | None = _flag(None, "tokens per packed row, at most the model's max_position_embeddings "
                                       "(default for a run: min(2048, that))")
-    batch_size: int | None = _flag(None, "rows per rank per micro-batch")
+    batch_size: int | None = _flag(None, "rows per rank per micro-batch (preference objectives: examples, each "
+                                         "packed into one row without padding)")
     grad_accum: int = _flag(1, "micro-batches per optimiser step")
     steps: int | None = _flag(None, "optimiser steps in total")
     lr: float | None = _flag(None, "peak learning rate")
@@ -193,6 +215,23 @@ class TrainConfig:
         if self.lora_rank and self.random_init and not self.merge:
             raise TrainError("LoRA on a randomly initialised base (the demo, --from-scratch) needs --merge: OUT/final "
                              "holds only the adapter, and the random base is saved nowhere else")
+        if self.objective != "sft":
+            if self.cuda_graph:
+                raise TrainError(f"--cuda-graph captures the SFT step: --objective {self.objective} runs eagerly")
+            if self.attention != "documents":
+                raise TrainError(f"--objective {self.objective} packs whole sequences into a row: it needs "
+                                 "--attention documents, so no sequence attends to another")
+        if not 0 < self.beta < math.inf:
+            raise TrainError(f"--beta must be positive and finite, got {self.beta}")
+        if self.label_smoothing and not (self.objective == "simpo" or (self.objective, self.dpo_loss) == (
+                "dpo", "robust")):
+            raise TrainError("--label-smoothing applies to --objective simpo and to --objective dpo with --dpo-loss "
+                             "robust only (the losses of TRL's that read label_smoothing)")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise TrainError(f"--label-smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        for name in ("simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight"):
+            if not (0 <= getattr(self, name) < math.inf):
+                raise TrainError(f"--{_dash(name)} must be non-negative and finite, got {getattr(self, name)}")
         unknown = [r for r in self.reporters if r not in REPORTERS]
         if unknown:
             raise TrainError(f"--report-to: unknown {unknown} (choose from {', '.join(REPORTERS)})")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +79,11 @@ class Example:
     where: str = ""
 
 
-def read_jsonl(path: str) -> list[Example]:
-    """Parse and validate a JSON-lines file; a :class:`DataError` names the first bad line."""
+def json_lines(path: str) -> Iterator[tuple[int, str, object]]:
+    """(line number, line, parsed value) of each non-blank line of a JSON-lines file; a :class:`DataError` names
+    a missing file, and a line that is not UTF-8 or not JSON."""
     if not os.path.isfile(path):
         raise DataError(f"data file {path!r} does not exist")
-    examples = []
     with open(path, "rb") as f:  # bytes: a decoding error can then name its line
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -92,29 +93,35 @@ def read_jsonl(path: str) -> list[Example]:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                yield lineno, line, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-            rec = rec if isinstance(rec, dict) else {}
-            where = f"{path} line {lineno}"
-            if isinstance(rec.get("text"), str):
-                example = Example("", rec["text"], where=where)
-            elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
-                example = Example(rec["prompt"], rec["completion"], where=where)
-            elif "messages" in rec:
-                problem = check_messages(rec["messages"])
-                if problem:
-                    raise DataError(f"{where}: {problem}")
-                example = Example("", "", rec["messages"], where)
-            else:
-                raise DataError(f'{where}: expected {{"text": str}}, {{"prompt": str, "completion": str}} or '
-                                f'{{"messages": [...]}}, got {line.strip()[:80]!r}')
-            try:  # a JSON escape such as "\ud800" makes a lone surrogate, which no tokenizer takes
-                (example.prompt + example.text + json.dumps(example.messages, ensure_ascii=False)).encode("utf-8")
-            except UnicodeEncodeError as e:
-                surrogate = e.object[e.start]
-                raise DataError(f"{path} line {lineno}: not valid Unicode (lone surrogate {surrogate!r})") from None
-            examples.append(example)
+
+
+def read_jsonl(path: str) -> list[Example]:
+    """Parse and validate a JSON-lines file; a :class:`DataError` names the first bad line."""
+    examples = []
+    for lineno, line, rec in json_lines(path):
+        rec = rec if isinstance(rec, dict) else {}
+        where = f"{path} line {lineno}"
+        if isinstance(rec.get("text"), str):
+            example = Example("", rec["text"], where=where)
+        elif isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):
+            example = Example(rec["prompt"], rec["completion"], where=where)
+        elif "messages" in rec:
+            problem = check_messages(rec["messages"])
+            if problem:
+                raise DataError(f"{where}: {problem}")
+            example = Example("", "", rec["messages"], where)
+        else:
+            raise DataError(f'{where}: expected {{"text": str}}, {{"prompt": str, "completion": str}} or '
+                            f'{{"messages": [...]}}, got {line.strip()[:80]!r}')
+        try:  # a JSON escape such as "\ud800" makes a lone surrogate, which no tokenizer takes
+            (example.prompt + example.text + json.dumps(example.messages, ensure_ascii=False)).encode("utf-8")
+        except UnicodeEncodeError as e:
+            surrogate = e.object[e.start]
+            raise DataError(f"{path} line {lineno}: not valid Unicode (lone surrogate {surrogate!r})") from None
+        examples.append(example)
     if not examples:
         raise DataError(f"data file {path!r} holds no examples")
     return examples
@@ -158,6 +165,17 @@ def special_token_names(directory: str | None) -> dict[str, str]:
     files = _token_files(directory)
     named = {key: _named_token(files, key) for key in SPECIAL_TOKEN_NAMES}
     return {key: found[0] for key, found in named.items() if found is not None and found[0] is not None}
+
+
+def special_tokens(tokenizer, directory: str | None) -> dict[str, tuple[str, int] | None]:
+    """{"bos": (text, id), "eos": (text, id)} as transformers' ``bos_token`` / ``eos_token`` name them (None where
+    the tokenizer files name none), whether or not the tokenizer's post-processor adds them."""
+    files, out = _token_files(directory), {}
+    for kind in ("bos", "eos"):
+        found = _named_token(files, f"{kind}_token")
+        token_id = None if found is None or found[0] is None else tokenizer.token_to_id(found[0])
+        out[kind] = None if token_id is None else (found[0], token_id)
+    return out
 
 
 def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int | None]:
@@ -316,6 +334,14 @@ class Inputs:
     bos: int | None
     eos: int | None
     documents: list[Document]
+    #: preference objectives: the examples (:mod:`ligermodels.train.preference`); ``documents`` is then empty
+    examples: list | None = None
+
+
+def _check_vocab(ids: list[int], model_config: DecoderConfig) -> None:
+    top = max(ids, default=-1)
+    if top >= model_config.vocab_size:
+        raise TrainError(f"the tokenizer produced id {top}, outside the model's vocab_size {model_config.vocab_size}")
 
 
 def load_inputs(config: TrainConfig) -> Inputs:
@@ -327,6 +353,15 @@ def load_inputs(config: TrainConfig) -> Inputs:
         safetensors_files(model_dir)  # fail here, on every rank, rather than on rank 0 alone later
     tokenizer = load_tokenizer(model_dir)
     bos, eos = special_token_ids(tokenizer, model_dir)
+    cls = family_of(model_config.model_type).cls
+    if config.objective != "sft":
+        from ligermodels.train.preference import load_examples
+
+        seq_len = config.resolved(model_config.max_position_embeddings).seq_len  # the longest sequence
+        examples = load_examples(config, seq_len, tokenizer, special_tokens(tokenizer, model_dir), model_dir)
+        _check_vocab([i for e in examples for s in e.sequences for i in s.ids], model_config)
+        return Inputs(model_config, cls, None if config.random_init else model_dir, model_dir, tokenizer, bos, eos,
+                      [], examples)
     examples = read_jsonl(config.data_file)
     try:
         chat = (ChatTemplate.from_checkpoint(model_dir, special_token_names(model_dir))
@@ -336,9 +371,6 @@ def load_inputs(config: TrainConfig) -> Inputs:
     documents = tokenize(examples, tokenizer, bos, eos, chat, config.chat_loss)
     if not any(d.trains() for d in documents):
         raise DataError(f"{config.data_file}: no token carries a loss (every completion is empty and no EOS is added)")
-    top = max((max(d.ids) for d in documents if d.ids), default=-1)
-    if top >= model_config.vocab_size:
-        raise TrainError(f"the tokenizer produced id {top}, outside the model's vocab_size {model_config.vocab_size}")
-    cls = family_of(model_config.model_type).cls
+    _check_vocab([i for d in documents for i in d.ids], model_config)
     return Inputs(model_config, cls, None if config.random_init else model_dir, model_dir, tokenizer, bos, eos,
                   documents)

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from checkpoints_tools import CheckpointError
-from ligermodels.attention import to_device
 from ligermodels.cli import environment_error, print_error
 from ligermodels.families import UnsupportedConfigError
 from ligermodels.model import CausalLM
@@ -33,15 +32,17 @@ from ligermodels.train.checkpointing import (
     export_hf,
     latest_checkpoint,
     load_checkpoint,
+    load_reference_logps,
     prepare_out_dir,
     remove_previous_run,
     resume_inputs,
     save_checkpoint,
+    save_reference_logps,
     train_state_record,
 )
 from ligermodels.train.config import TrainConfig, TrainError, parse_args
 from ligermodels.train.cuda_graph import GraphedStep, check_cuda_graph
-from ligermodels.train.data import DataError, PackedRows, count_loss_tokens, load_inputs
+from ligermodels.train.data import DataError, PackedRows, load_inputs
 from ligermodels.train.metrics import (
     MetricsLog,
     StepClock,
@@ -50,7 +51,7 @@ from ligermodels.train.metrics import (
     peak_flops,
     peak_memory_gb,
 )
-from ligermodels.train.objectives import forward_backward
+from ligermodels.train.objectives import PreferenceTask, SFTTask
 from ligermodels.train.parallelize import (
     build_model,
     build_optimizer,
@@ -58,6 +59,7 @@ from ligermodels.train.parallelize import (
     lr_factor,
     setup_distributed,
 )
+from ligermodels.train.preference import WITH_REFERENCE
 from ligermodels.train.profiling import StepProfiler
 
 
@@ -115,7 +117,10 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     fingerprint = resume_inputs(inputs, global_rows)
     if resume_state is not None:
         check_resume(resume_state, config, fingerprint, resume_path)
-    rows = PackedRows(inputs.documents, config.seq_len, config.seed)
+    if config.objective == "sft":
+        task = SFTTask(config, PackedRows(inputs.documents, config.seq_len, config.seed))
+    else:
+        task = PreferenceTask(config, inputs.examples, loss_strategy(config, inputs.config, device))
 
     # -- model, optimiser, schedule
     check_cuda_graph(config, inputs.config, world, device)
@@ -123,6 +128,15 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     dist.barrier()  # every rank has its inputs and weights: only now may --overwrite delete the old run
     if rank == 0 and config.overwrite:
         remove_previous_run(config)
+    if config.objective in WITH_REFERENCE and config.reference == "model":  # LoRA: the base, adapters off
+        task.reference_model = None if config.lora_rank else build_model(inputs, config, rank, world, device, True)
+    elif config.objective in WITH_REFERENCE:  # the initial model's (LoRA: the base's) log-probs, once
+        if resume_state is not None:
+            task.reference_logps = load_reference_logps(config.out, fingerprint, len(inputs.examples))
+        else:
+            task.reference_logps = task.compute_reference_logps(model, rank, world, device)
+            if rank == 0:
+                save_reference_logps(config.out, task.reference_logps, fingerprint)
     optimizer = build_optimizer(model, config, world)
     schedule = partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, steps=config.steps,
                        min_ratio=config.min_lr_ratio)
@@ -137,11 +151,10 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     metrics = MetricsLog(config, rank, step if resume_state is not None else None)
 
     c = inputs.config
-    tokens_per_step = global_rows * config.seq_len
     flops, peak = flops_per_token(c, config.seq_len), peak_flops(device, config.dtype)
     say(f"{c.model_type}: {c.num_params() / 1e6:.2f}M parameters, {c.num_layers} layers, hidden {c.hidden_size} | "
-        f"{len(inputs.documents)} documents, {rows.epoch_len} tokens per epoch | {world} rank(s) on {device.type}, "
-        f"{config.dtype}, global batch {global_rows} x {config.seq_len} tokens | steps {step + 1}..{config.steps} | "
+        f"{task.describe(global_rows)} | {world} rank(s) on {device.type}, {config.dtype} | "
+        f"steps {step + 1}..{config.steps} | "
         f"loss head: {loss_strategy(config, c, device)} | ready after {time.perf_counter() - t_start:.1f} s")
 
     # -- the loop
@@ -155,19 +168,19 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
         torch.set_num_threads(1)
     graphed = GraphedStep(model, optimizer, config, device) if config.cuda_graph else None
     warned_eager = False
-    pending: list[tuple[int, torch.Tensor, float, object]] = []  # (step, [loss, tokens, norm], lr, its end mark)
+    pending: list[tuple[int, torch.Tensor, float, object, dict]] = []  # (step, stats, lr, end mark, counts)
     clock = StepClock(device)
 
     def read_step() -> None:
         """Wait for the oldest pending step, record its metrics, stop on a non-finite loss or norm."""
-        done, stats, lr, end = pending.pop(0)
+        done, stats, lr, end, counts = pending.pop(0)
         dt = clock.seconds(end)  # the sync: waits for this step's end, not for the step queued behind it
-        loss_v, tokens_v, norm_v = stats.tolist()  # on the host by now
+        loss_v, *sums, tokens_v, norm_v = stats.tolist()  # on the host by now
         profiler.after(done, os.path.join(config.out, "profile.txt"), rank)
         metrics.log({"step": done, "loss": loss_v, "lr": lr, "grad_norm": norm_v, "tokens": int(tokens_v),
-                     "tokens_per_s": tokens_per_step / dt,
-                     "mfu": None if peak is None else flops * tokens_per_step / dt / (peak * world),
-                     "peak_mem_gb": peak_memory_gb(device)})
+                     "tokens_per_s": counts["tokens"] / dt,
+                     "mfu": None if peak is None else flops * counts["tokens"] / dt / (peak * world),
+                     "peak_mem_gb": peak_memory_gb(device), **task.metrics(sums, counts)})
         if not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             raise TrainError(f"step {done}: the loss is {loss_v} and the gradient norm {norm_v}; stopping before "
                              "non-finite weights reach a checkpoint or final/ (lower --lr, or check the data)")
@@ -175,23 +188,20 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     try:
         while step < config.steps:
             profiler.before(step + 1, device)
-            micro = [rows.rows(rows_consumed + (m * world + rank) * config.batch_size, config.batch_size)
-                     for m in range(config.grad_accum)]
-            n_tokens = to_device(torch.tensor(sum(count_loss_tokens(labels) for _, labels, _ in micro)), device)
-            dist.all_reduce(n_tokens)  # tokens with a label in the whole global batch
-            num_items = n_tokens.clamp(min=1)
+            micro, counts = task.batches(rows_consumed, rank, world, device)
             lr = scheduler.get_last_lr()[0]
-            replay = graphed.inputs(micro[0], num_items) if graphed is not None else None
+            replay = graphed.inputs(micro[0], counts["num_items"]) if graphed is not None else None
             if replay is not None:  # --cuda-graph: the whole step, replayed
                 loss_sum, grad_norm = graphed(replay, max_norm)
+                loss_sum = loss_sum[None]
             else:
                 if graphed is not None and not warned_eager:
                     say(f"step {step + 1}: more documents than --graph-documents {config.graph_documents} per row "
                         "leave room for: run eagerly (warned once)")
                     warned_eager = True
-                loss_sum = torch.zeros((), device=device)
-                for input_ids, labels, positions in micro:
-                    loss_sum += forward_backward(model, input_ids, labels, positions, num_items, config, world, device)
+                loss_sum = 0
+                for batch in micro:
+                    loss_sum = loss_sum + task.forward_backward(model, batch, counts, world, device)
                     if config.grad_accum > 1:
                         optimizer.accumulate_grads_()  # low-precision gradients summed in fp32
                 grad_norm = optimizer.clip_grad_norm_(max_norm)  # the next step() scales the gradients
@@ -204,8 +214,9 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
                 read_step()  # the previous step, now that this one is queued
             # the step's numbers go to pinned host memory in the stream's order: reading them waits for this step's
             # end event only (a plain .tolist() would queue behind the next step and drain the GPU at every read)
-            stats = torch.stack([loss_sum, n_tokens.float(), grad_norm.float()]).to("cpu", non_blocking=True)
-            pending.append((step, stats, lr, clock.mark()))
+            stats = torch.cat([loss_sum, counts["n_tokens"].float()[None], grad_norm.float()[None]])
+            stats = stats.to("cpu", non_blocking=True)
+            pending.append((step, stats, lr, clock.mark(), counts))
             due = config.save_every > 0 and (step % config.save_every == 0 or step == config.steps)
             if due or step == config.steps or profiler.wants(step):
                 read_step()

@@ -5,16 +5,28 @@ Every micro-batch calls ``model.loss(..., num_items=N)`` with ``N`` that global 
 micro-batch, summed, all-reduced), and its loss is multiplied by ``world_size`` before backward to undo FSDP's
 average over ranks: the gradient is exactly ``d(sum of token losses) / N`` however the global batch is split
 over ranks and accumulation steps.
+
+Preference objectives (``--objective dpo|orpo|simpo|kto``, :class:`PreferenceTask`): TRL 1.16's losses and metrics
+(:func:`dpo_terms`, :func:`orpo_terms`, :func:`simpo_terms`, :func:`kto_terms`) of per-sequence log-probs from the
+chunked fused-linear head (:mod:`kernels.logprobs`), each step's mean taken over the whole global batch the same way.
+The loop asks a task (:class:`SFTTask` or :class:`PreferenceTask`) for a step's micro-batches and counts, runs its
+``forward_backward`` on each, and logs its ``metrics``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
+from kernels.logprobs import sequence_sums
 from ligermodels.attention import Documents, to_device
+from ligermodels.lora import adapters_disabled
 from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig
+from ligermodels.train.data import count_loss_tokens
 from ligermodels.train.parallelize import loss_strategy
+from ligermodels.train.preference import ExampleStream, PackedSequences, PreferenceBatch, make_batch
 
 
 def sft_loss(model: CausalLM, config: TrainConfig, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -36,3 +48,250 @@ def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Ten
     loss = sft_loss(model, config, input_ids, labels, positions, num_items, documents)
     (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
     return loss.detach()
+
+
+# ------------------------------------------------------------------------------------------ preferences
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable on both sides of -ln 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def dpo_terms(config: TrainConfig, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+              ref_rejected: torch.Tensor, chosen_len: torch.Tensor, rejected_len: torch.Tensor
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO per pair (P,) from summed completion log-probs (P,) of the policy and the reference, as TRL's
+    ``DPOTrainer``: ``--dpo-loss`` sigmoid, hinge, ipo (each log-ratio over its completion's tokens, TRL's IPO) or
+    robust (``--label-smoothing`` the flip probability). Returns (losses, per-pair metrics)."""
+    beta, eps = config.beta, config.label_smoothing
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if config.dpo_loss == "sigmoid":
+        losses = -F.logsigmoid(beta * delta)
+    elif config.dpo_loss == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif config.dpo_loss == "ipo":
+        ipo = chosen_ratio / chosen_len.clamp(min=1) - rejected_ratio / rejected_len.clamp(min=1)
+        losses = (ipo - 1 / (2 * beta)) ** 2
+    else:  # robust
+        losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+    return losses, _reward_metrics(beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), chosen, rejected)
+
+
+def _reward_metrics(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor, chosen: torch.Tensor,
+                    rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"rewards/chosen": chosen_reward, "rewards/rejected": rejected_reward,
+            "rewards/accuracies": (chosen_reward > rejected_reward).float(),
+            "rewards/margins": chosen_reward - rejected_reward,
+            "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()}
+
+
+def orpo_terms(config: TrainConfig, chosen_avg: torch.Tensor, rejected_avg: torch.Tensor
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ORPO's odds-ratio term per pair (P,), to be subtracted from the chosen NLL, from the completions' mean
+    token log-probs, as TRL's ``ORPOTrainer`` (``--beta`` its weight lambda)."""
+    log_odds = (chosen_avg - rejected_avg) - (log1mexp(chosen_avg) - log1mexp(rejected_avg))
+    ratio = F.logsigmoid(log_odds)
+    metrics = _reward_metrics(config.beta * chosen_avg.detach(), config.beta * rejected_avg.detach(), chosen_avg,
+                              rejected_avg)
+    return -config.beta * ratio, {**metrics, "log_odds_ratio": ratio.detach(), "log_odds_chosen": log_odds.detach()}
+
+
+def simpo_terms(config: TrainConfig, chosen_avg: torch.Tensor, rejected_avg: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SimPO per pair (P,) from the completions' mean token log-probs, as TRL's ``CPOTrainer`` with
+    ``loss_type="simpo"``: margin ``--simpo-gamma``, ``--label-smoothing``."""
+    beta, eps = config.beta, config.label_smoothing
+    logits = chosen_avg - rejected_avg - config.simpo_gamma / beta
+    losses = -F.logsigmoid(beta * logits) * (1 - eps) - F.logsigmoid(-beta * logits) * eps
+    return losses, _reward_metrics(beta * chosen_avg.detach(), beta * rejected_avg.detach(), chosen_avg, rejected_avg)
+
+
+def kto_terms(config: TrainConfig, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
+              kl: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KTO per example (P,) as TRL's ``KTOTrainer``: summed completion log-probs of the policy and the reference,
+    ``desirable`` (P,) bool, ``kl`` the batch's detached KL estimate (clamped at 0); weighted by
+    ``--desirable-weight`` / ``--undesirable-weight``. Metrics are per example, zero where they do not apply."""
+    ratio = logps - ref_logps
+    chosen = 1 - torch.sigmoid(config.beta * (ratio - kl))
+    rejected = 1 - torch.sigmoid(config.beta * (kl - ratio))
+    losses = torch.where(desirable, config.desirable_weight * chosen, config.undesirable_weight * rejected)
+    reward, d = config.beta * ratio.detach(), desirable.float()
+    return losses, {"rewards/chosen": reward * d, "logps/chosen": logps.detach() * d,
+                    "rewards/rejected": reward * (1 - d), "logps/rejected": logps.detach() * (1 - d)}
+
+
+#: The metrics each objective adds to metrics.jsonl (TRL's names), and what each step's sum is divided by.
+PREFERENCE_METRICS = {
+    "dpo": {**dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                             "logps/chosen", "logps/rejected"), "pairs")},
+    "orpo": {**dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                              "logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen"), "pairs"),
+             "nll_loss": None},
+    "simpo": {**dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                               "logps/chosen", "logps/rejected"), "pairs"), "nll_loss": None},
+    "kto": {"rewards/chosen": "desirable", "logps/chosen": "desirable", "rewards/rejected": "undesirable",
+            "logps/rejected": "undesirable", "kl": "micro_batches"},
+}
+
+
+class SFTTask:
+    """Supervised fine-tuning's steps: packed rows (:class:`ligermodels.train.data.PackedRows`), the token-mean
+    cross-entropy (:func:`sft_loss`). ``consumed`` counts rows."""
+
+    def __init__(self, config: TrainConfig, rows):
+        self.config, self.rows = config, rows
+
+    def describe(self, global_rows: int) -> str:
+        return (f"{len(self.rows.lengths)} documents, {self.rows.epoch_len} tokens per epoch, global batch "
+                f"{global_rows} x {self.config.seq_len} tokens")
+
+    def batches(self, consumed: int, rank: int, world: int, device: torch.device) -> tuple[list, dict]:
+        """This rank's micro-batches of the step starting at ``consumed``, and the step's global counts."""
+        c = self.config
+        micro = [self.rows.rows(consumed + (m * world + rank) * c.batch_size, c.batch_size)
+                 for m in range(c.grad_accum)]
+        n_tokens = to_device(torch.tensor(sum(count_loss_tokens(labels) for _, labels, _ in micro)), device)
+        dist.all_reduce(n_tokens)  # tokens with a label in the whole global batch
+        return micro, {"num_items": n_tokens.clamp(min=1), "n_tokens": n_tokens,
+                       "tokens": c.batch_size * world * c.grad_accum * c.seq_len}
+
+    def forward_backward(self, model: CausalLM, micro, norms: dict, world: int, device: torch.device
+                         ) -> torch.Tensor:
+        """(loss,) of one micro-batch, after its backward."""
+        return forward_backward(model, *micro, norms["num_items"], self.config, world, device)[None]
+
+    def metrics(self, sums: list[float], norms: dict) -> dict:
+        return {}
+
+
+class PreferenceTask:
+    """A preference objective's steps (``--objective`` dpo, orpo, simpo, kto): micro-batches of whole examples
+    (:mod:`ligermodels.train.preference`), the policy's sequence log-probs from the chunked fused-linear head
+    (:func:`kernels.logprobs.fused_linear_logprobs`), the reference's from :attr:`reference_logps` (computed once
+    before training: :meth:`compute_reference_logps`) or from :attr:`reference_model` (a frozen copy) or, with
+    LoRA, from the policy with its adapters off. ``consumed`` counts examples.
+
+    The loss of a step is its examples' mean over the whole global batch (and ORPO's / SimPO's chosen NLL the mean
+    over the global batch's tokens), so any split over ranks and micro-batches takes the same step; with one
+    micro-batch it is TRL's loss of that batch."""
+
+    def __init__(self, config: TrainConfig, examples: list, strategy: str):
+        self.config, self.examples, self.strategy = config, examples, strategy
+        self.stream = ExampleStream(len(examples), config.seed)
+        self.names = PREFERENCE_METRICS[config.objective]
+        self.reference_logps: torch.Tensor | None = None  # (examples, 2) fp32 on the host
+        self.reference_model: CausalLM | None = None
+
+    def describe(self, global_rows: int) -> str:
+        tokens = sum(len(s.ids) for e in self.examples for s in e.sequences)
+        return (f"{self.config.objective}: {len(self.examples)} examples, {tokens} tokens, global batch {global_rows} "
+                f"examples (sequences of at most {self.config.seq_len} tokens)")
+
+    # -- data
+    def batches(self, consumed: int, rank: int, world: int, device: torch.device) -> tuple[list, dict]:
+        c = self.config
+        every = self.stream.indices(consumed, c.batch_size * world * c.grad_accum)
+        micro = [make_batch(self.examples, every[(m * world + rank) * c.batch_size:][:c.batch_size])
+                 for m in range(c.grad_accum)]
+        return micro, self.counts(every, world * c.grad_accum, device)
+
+    def counts(self, index: list[int], micro_batches: int, device: torch.device) -> dict:
+        """What a step's sums are divided by, from all of its examples (``index``, over every rank)."""
+        step = [self.examples[i] for i in index]
+        first = [e.sequences[0] for e in step]
+        orpo = self.config.objective == "orpo"  # ORPO's NLL covers the prompt too; SimPO's the completion
+        counts = {"pairs": len(step), "examples": len(step), "micro_batches": micro_batches,
+                  "desirable": sum(bool(e.label) for e in step), "undesirable": sum(e.label is False for e in step),
+                  "tokens": sum(len(s.ids) for e in step for s in e.sequences),
+                  "nll_tokens": sum((len(s.ids) - 1) if orpo else s.predicted_len for s in first)}
+        counts["n_tokens"] = torch.tensor(float(counts["tokens"]), device=device)  # metrics.jsonl's "tokens"
+        return counts
+
+    # -- log-probs
+    def sequence_logps(self, model: CausalLM, rows: PackedSequences, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-position log-probs (T,), each sequence's summed completion log-probs (n,)) of one packed row."""
+        documents = Documents.from_positions(rows.position_ids).to(device)
+        ids, labels, pos = (to_device(t, device) for t in (rows.input_ids, rows.labels, rows.position_ids))
+        tok = model.token_logprobs(ids, labels, pos, documents, strategy=self.strategy)
+        seg, completion = to_device(rows.segment, device), to_device(rows.completion, device)
+        return tok, sequence_sums(tok, seg, len(rows.lengths), completion)
+
+    @torch.no_grad()
+    def reference_forward(self, model: CausalLM, batch: PreferenceBatch, device: torch.device) -> torch.Tensor:
+        """(P, 2) reference log-probs of a micro-batch: (chosen, rejected), KTO (completion, KL completion)."""
+        reference = self.reference_model if self.reference_model is not None else model
+        with adapters_disabled(reference):  # LoRA: the base; a plain model has no adapters to disable
+            first = self.sequence_logps(reference, batch.rows, device)[1]
+            second = None if batch.kl is None else self.sequence_logps(reference, batch.kl, device)[1]
+        p = len(batch.index)
+        return torch.stack([first[:p], first[p:]] if second is None else [first, second], dim=1)
+
+    def compute_reference_logps(self, model: CausalLM, rank: int, world: int, device: torch.device) -> torch.Tensor:
+        """Every example's reference log-probs (examples, 2), fp32 on the host: one pass in file order, micro-batches
+        of ``--batch-size`` spread over the ranks (each rank runs as many forwards, so FSDP's collectives match)."""
+        n, b = len(self.examples), self.config.batch_size
+        starts = list(range(0, n, b))
+        per_rank = -(-len(starts) // world)
+        out = torch.zeros(n, 2, device=device)
+        was_training = model.training
+        model.eval()
+        for k in range(per_rank):
+            j = k * world + rank
+            index = list(range(starts[min(j, len(starts) - 1)], min(starts[min(j, len(starts) - 1)] + b, n)))
+            logps = self.reference_forward(model, make_batch(self.examples, index), device)
+            if j < len(starts):  # a rank past the end repeats the last batch and keeps nothing
+                out[index] = logps
+        model.train(was_training)
+        if world > 1:
+            dist.all_reduce(out)
+        return out.cpu()
+
+    # -- the step
+    def forward_backward(self, model: CausalLM, batch: PreferenceBatch, norms: dict, world: int,
+                         device: torch.device) -> torch.Tensor:
+        """[loss, each metric's sum] of one micro-batch (loss already divided by the global counts), after its
+        backward."""
+        c, p = self.config, len(batch.index)
+        ref = (self.reference_logps[batch.index].to(device) if self.reference_logps is not None
+               else self.reference_forward(model, batch, device))
+        tok, logps = self.sequence_logps(model, batch.rows, device)
+        if c.objective == "kto":
+            with torch.no_grad():
+                kl = (self.sequence_logps(model, batch.kl, device)[1] - ref[:, 1]).mean()
+                if world > 1:
+                    dist.all_reduce(kl)
+                    kl = kl / world
+                kl = kl.clamp(min=0)
+            losses, metrics = kto_terms(c, logps, ref[:, 0], to_device(batch.labels, device), kl)
+            loss = losses.sum() / norms["examples"]
+            metrics["kl"] = kl
+        elif c.objective == "dpo":
+            lens = to_device(batch.rows.completion_lens, device)
+            losses, metrics = dpo_terms(c, logps[:p], logps[p:], ref[:, 0], ref[:, 1], lens[:p], lens[p:])
+            loss = losses.sum() / norms["pairs"]
+        else:  # orpo, simpo: mean token log-probs, and the NLL of the chosen sequences
+            avg = logps / to_device(batch.rows.predicted_lens, device).clamp(min=1)
+            terms = orpo_terms if c.objective == "orpo" else simpo_terms
+            losses, metrics = terms(c, avg[:p], avg[p:])
+            chosen = to_device(batch.rows.segment, device) < p
+            if c.objective == "simpo":
+                chosen = chosen & to_device(batch.rows.completion, device)
+            nll = -(tok * chosen).sum() / norms["nll_tokens"]
+            if c.objective == "simpo" and not c.cpo_alpha:
+                nll = torch.zeros_like(nll)  # as TRL: no NLL term, and nll_loss logged as 0
+            loss = losses.sum() / norms["pairs"] + (nll if c.objective == "orpo" else c.cpo_alpha * nll)
+            metrics["nll_loss"] = nll.detach()
+        (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
+        sums = [metrics[name].sum() for name in self.names]
+        return torch.stack([loss.detach(), *sums])
+
+    def metrics(self, sums: list[float], norms: dict) -> dict:
+        """The step's TRL-named metrics from the summed stats (after the loss)."""
+        out = {}
+        for (name, key), value in zip(self.names.items(), sums, strict=True):
+            count = 1 if key is None else norms[key]
+            out[name] = value / count if count else None
+        if self.config.objective == "kto" and None not in (out["rewards/chosen"], out["rewards/rejected"]):
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out

@@ -102,7 +102,8 @@ def lora_options(config: TrainConfig) -> dict:
                 targets=config.lora_targets.split(","))
 
 
-def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, device: torch.device) -> CausalLM:
+def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, device: torch.device,
+                frozen: bool = False) -> CausalLM:
     """The model with fp32 weights: FSDP2-sharded over the ranks when there are several.
 
     Rank 0 alone reads the checkpoint on the host (or draws the from-scratch init from ``--seed``, on
@@ -112,6 +113,9 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
 
     Several ranks: FSDP2 (:func:`shard`); one rank: a plain module (see the module docstring). With LoRA on
     one rank the frozen base is allocated in bf16 from the start (it has no master).
+
+    ``frozen``: a preference objective's reference model: the same initial weights, no adapters, no gradients,
+    no activation checkpointing, in the compute dtype (no fp32 master), sharded as the policy is, in eval mode.
     """
     full_state, error = {}, None
     if rank == 0:
@@ -122,7 +126,7 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
                 torch.manual_seed(config.seed)
                 with torch.device(init_device(inputs.config, device)):
                     host = inputs.cls(inputs.config).init_weights()
-            if config.lora_rank:  # the adapters' init (A random, B zero) drawn here, once, from --seed
+            if config.lora_rank and not frozen:  # the adapters' init (A random, B zero) drawn here, once, from --seed
                 torch.manual_seed(config.seed)
                 add_lora(host, **lora_options(config))
             full_state = host.state_dict()
@@ -136,16 +140,22 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
 
     with torch.device("meta"):
         model = inputs.cls(inputs.config)
-        if config.lora_rank:
+        if config.lora_rank and not frozen:
             add_lora(model, **lora_options(config))
-    apply_activation_checkpointing(model, config.ac)
+    if frozen:
+        for p in model.parameters():
+            p.requires_grad_(False)
+            if config.dtype == "bf16":
+                p.data = p.data.to(torch.bfloat16)
+    else:
+        apply_activation_checkpointing(model, config.ac)
     if world == 1 and config.dtype == "bf16" and config.lora_rank:
         # The frozen base computes in bf16 and has no master: allocated in bf16 at once, so the device never
         # holds its fp32 copy (30 GB at 7.6B parameters); the adapters stay fp32.
         for p in model.parameters():
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)
-    if config.compile:  # each layer's forward (the checkpoint included); FSDP's hooks stay outside, in eager
+    if config.compile and not frozen:  # each layer's forward (its checkpoint included); FSDP's hooks outside, eager
         # The first layer stores the attention mask it builds in the AttentionMask all layers share. Inside a
         # checkpoint dynamo would break the graph there (eager recomputation replays the store); the recompute
         # finds the mask stored either way, so the store need not be replayed.
@@ -158,7 +168,7 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
     model.to_empty(device=device)
     load_full_state(model, full_state, rank, world, device)
     model.init_buffers()
-    return model.train()
+    return model.eval() if frozen else model.train()
 
 
 def init_device(config: DecoderConfig, device: torch.device) -> torch.device:
@@ -226,10 +236,12 @@ def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device
     units = layers
     if model.head is not None:
         fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        register_fsdp_forward_method(model.head, "loss")  # the loss head calls loss(), not forward()
+        for method in ("loss", "logprobs"):  # the loss head calls these, not forward()
+            register_fsdp_forward_method(model.head, method)
         units = [*layers, model.head]
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    register_fsdp_forward_method(model, "loss")  # loss() is called instead of forward()
+    for method in ("loss", "token_logprobs"):  # called instead of forward()
+        register_fsdp_forward_method(model, method)
     if config.prefetch:
         n = config.prefetch
         for i, unit in enumerate(units):

@@ -1,0 +1,320 @@
+"""Preference data: JSON lines -> tokenized sequences as TRL tokenizes them -> packed micro-batches of whole pairs.
+
+Formats, one JSON object per line (TRL's standard preference formats):
+
+* ``dpo``, ``orpo``, ``simpo``: ``{"prompt": ..., "chosen": ..., "rejected": ...}``, each a string, or each a list of
+  messages (the prompt's turns; the chosen and rejected assistant turns), rendered with the checkpoint's chat template;
+* ``kto``: ``{"prompt": ..., "completion": ..., "label": true|false}`` (``label``: the completion is desirable).
+
+Tokens, as TRL 1.16 makes them, so that the losses and gradients are TRL's on the same data:
+
+* DPO and KTO (``DPOTrainer`` / ``KTOTrainer``): a string prompt is encoded with the tokenizer's special tokens (its
+  post-processor's BOS), and so is prompt + completion, the completion ending with the EOS token's text (added when
+  absent); a conversation renders the prompt with the generation prompt and prompt + completion without, encoded
+  without special tokens. The completion starts where the two encodings first differ (for DPO, the earlier of the
+  chosen and the rejected one). A sequence longer than ``--seq-len`` keeps its first ``--seq-len`` tokens (TRL's
+  ``keep_start``); a prompt of ``--seq-len`` tokens or more is an error (TRL drops the example).
+* ORPO and SimPO (``ORPOTrainer`` / ``CPOTrainer``): conversations are first rendered to strings (the prompt up to
+  where the rendered prompt and the rendered conversations stop agreeing). Prompt and prompt + answer are encoded
+  without special tokens; the answer starts after the prompt's tokens (one earlier when the last prompt token merged
+  with the answer's first); BOS (the tokenizer's ``bos_token``, when it has one) is put in front when the prompt
+  does not start with it, EOS appended to an answer not ending with it. A sequence longer than ``--seq-len`` loses the
+  end of its answer (TRL truncates the answer to ``max_length`` minus the prompt); a prompt that leaves no answer
+  token is an error.
+
+Batches: a step takes ``batch_size * world * grad_accum`` examples of an endless stream (every epoch in an order drawn
+from ``seed`` and the epoch number); micro-batch ``m`` of rank ``r`` takes examples ``start + (m * world + r) *
+batch_size`` onward. A micro-batch is one packed row without padding: the chosen sequences, then the rejected ones
+(KTO: its completions, and a second row of the KL sequences), position ids restarting at each sequence, so attention
+stays within a sequence as it does for SFT documents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ligermodels.train.chat import ChatTemplate, ChatTemplateError, check_messages
+from ligermodels.train.data import IGNORE_INDEX, DataError, json_lines
+
+PAIRED = ("dpo", "orpo", "simpo")
+OBJECTIVES = ("sft", *PAIRED, "kto")
+#: objectives that compare the policy with a reference model
+WITH_REFERENCE = ("dpo", "kto")
+
+
+@dataclass
+class Sequence:
+    """One tokenized prompt + completion: ``ids[:prompt_len]`` is the prompt."""
+
+    ids: list[int]
+    prompt_len: int
+
+    @property
+    def completion_len(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    @property
+    def predicted_len(self) -> int:
+        """Completion tokens with a log-prob: all but a first token of the sequence (nothing predicts it)."""
+        return len(self.ids) - max(self.prompt_len, 1)
+
+
+@dataclass
+class PreferenceExample:
+    """One line: (chosen, rejected) for the paired objectives; KTO: (completion,), its ``label`` and its ``kl``
+    sequence (the prompt with the completion of the example before it in its batch: TRL's KL estimate)."""
+
+    sequences: tuple[Sequence, ...]
+    where: str
+    label: bool | None = None
+    kl: Sequence | None = None
+
+
+@dataclass
+class Record:
+    prompt: str | list
+    completions: tuple  # (chosen, rejected) or (completion,)
+    where: str
+    label: bool | None = None
+
+
+def _is_text_or_messages(value) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and check_messages(value) is None)
+
+
+def read_preference_jsonl(path: str, objective: str) -> list[Record]:
+    """Parse and check a preference file: a :class:`DataError` names the first bad line."""
+    keys = ("chosen", "rejected") if objective in PAIRED else ("completion",)
+    want = ('{"prompt", "chosen", "rejected"}' if objective in PAIRED else '{"prompt", "completion", "label"}')
+    records = []
+    for lineno, _, rec in json_lines(path):
+        where = f"{path} line {lineno}"
+        if not isinstance(rec, dict):
+            raise DataError(f"{where}: expected a JSON object {want} for --objective {objective}")
+        for key in ("prompt", *keys):
+            if key not in rec:
+                raise DataError(f"{where}: no \"{key}\" (--objective {objective} reads {want} lines)")
+            if not _is_text_or_messages(rec[key]):
+                problem = check_messages(rec[key]) if isinstance(rec[key], list) else "not a string"
+                raise DataError(f"{where}: \"{key}\" must be a string or a list of messages ({problem})")
+        values = [rec[k] for k in ("prompt", *keys)]
+        if len({isinstance(v, str) for v in values}) > 1:
+            raise DataError(f"{where}: mixes strings and message lists: give every field as text, or every "
+                            "field as messages")
+        for k in keys:
+            if not rec[k] or (isinstance(rec[k], str) and not rec[k].strip()):
+                raise DataError(f"{where}: \"{k}\" is empty: a completion needs at least one token")
+        label = rec.get("label")
+        if objective == "kto" and not isinstance(label, bool):
+            raise DataError(f"{where}: \"label\" must be true or false (whether the completion is desirable), "
+                            f"got {label!r}")
+        records.append(Record(rec["prompt"], tuple(rec[k] for k in keys), where, label))
+    if not records:
+        raise DataError(f"data file {path!r} holds no examples")
+    return records
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PreferenceTokenizer:
+    """Encodes records as TRL does (module docstring). ``bos``/``eos`` are the tokenizer's BOS and EOS tokens as
+    transformers names them (text and id), whether or not its post-processor adds them."""
+
+    def __init__(self, tokenizer, chat: ChatTemplate | None, bos: tuple[str, int] | None,
+                 eos: tuple[str, int] | None, seq_len: int):
+        self.tokenizer, self.chat, self.bos, self.eos, self.seq_len = tokenizer, chat, bos, eos, seq_len
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=special).ids
+
+    def _render(self, record: Record, messages: list, add_generation_prompt: bool = False) -> str:
+        if self.chat is None:
+            raise DataError(f"{record.where}: messages, but the checkpoint has no chat template (chat_template.jinja, "
+                            "or chat_template in tokenizer_config.json)")
+        try:
+            return self.chat.render(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as e:
+            raise DataError(f"{record.where}: {e}") from None
+
+    def prefix_style(self, record: Record) -> tuple[Sequence, ...]:
+        """DPO / KTO: see the module docstring."""
+        if isinstance(record.prompt, list):
+            prompt_ids = self._encode(self._render(record, record.prompt, add_generation_prompt=True), False)
+            fulls = [self._encode(self._render(record, record.prompt + c), False) for c in record.completions]
+        else:
+            eos = self.eos[0] if self.eos is not None else ""
+            prompt_ids = self._encode(record.prompt, True)
+            fulls = [self._encode(record.prompt + (c if c.endswith(eos) else c + eos), True)
+                     for c in record.completions]
+        prompt_len = min(_common_prefix(prompt_ids, f) for f in fulls)
+        if prompt_len >= self.seq_len:
+            raise DataError(f"{record.where}: the prompt is {prompt_len} tokens, --seq-len is {self.seq_len}: TRL's "
+                            "keep_start truncation would leave no completion token (TRL drops such examples); raise "
+                            "--seq-len or shorten the prompt")
+        for f in fulls:
+            if len(f) <= prompt_len:
+                raise DataError(f"{record.where}: a completion adds no token after the prompt")
+        return tuple(Sequence(f, prompt_len) for f in fulls)  # cut to --seq-len by tokenize_preferences
+
+    def _as_strings(self, record: Record) -> tuple[str, list[str]]:
+        """ORPO / SimPO conversations as TRL's ``maybe_apply_chat_template`` renders them."""
+        if not isinstance(record.prompt, list):
+            return record.prompt, list(record.completions)
+        last = record.prompt[-1].get("role") if record.prompt else None
+        if last not in ("user", "tool"):
+            raise DataError(f"{record.where}: the prompt's last message is {last!r}: a prompt ends with a user (or "
+                            "tool) turn here, as TRL renders it with the generation prompt")
+        prompt = self._render(record, record.prompt, add_generation_prompt=True)
+        fulls = [self._render(record, record.prompt + c) for c in record.completions]
+        n = min(_common_prefix(prompt, f) for f in fulls)
+        return prompt[:n], [f[n:] for f in fulls]
+
+    def answer_style(self, record: Record) -> tuple[Sequence, ...]:
+        """ORPO / SimPO: see the module docstring."""
+        prompt, answers = self._as_strings(record)
+        prompt_ids = self._encode(prompt, False)
+        sequences = []
+        for answer in answers:
+            full = self._encode(prompt + answer, False)
+            start = len(prompt_ids) - (prompt_ids != full[:len(prompt_ids)])
+            p, a = full[:start], full[start:]
+            if self.bos is not None and (not p or p[0] != self.bos[1]):
+                p = [self.bos[1]] + p
+            if self.eos is not None and (not a or a[-1] != self.eos[1]):
+                a = a + [self.eos[1]]
+            sequences.append((p, a))
+        (pc, _), (pr, _) = sequences[0], sequences[-1]
+        if abs(len(pc) - len(pr)) > 1 or sum(x != y for x, y in zip(pc, pr, strict=False)) > 1:
+            raise DataError(f"{record.where}: the prompt's tokens differ between chosen and rejected beyond a merge of "
+                            "its last token")
+        out = []
+        for p, a in sequences:
+            if len(p) >= self.seq_len:
+                raise DataError(f"{record.where}: the prompt is {len(p)} tokens, --seq-len is {self.seq_len}: TRL "
+                                "truncates the answer to --seq-len minus the prompt, which leaves none; raise "
+                                "--seq-len or shorten the prompt")
+            out.append(Sequence(p + a[:self.seq_len - len(p)], len(p)))
+        return tuple(out)
+
+
+def tokenize_preferences(records: list[Record], objective: str, tok: PreferenceTokenizer,
+                         batch_size: int) -> list[PreferenceExample]:
+    """The examples of ``records``; KTO's KL sequences pair each prompt with the completion of the example before it
+    within consecutive groups of ``batch_size`` lines (TRL rotates completions by one within each batch of its
+    dataset, in file order, before shuffling)."""
+    style = tok.answer_style if objective in ("orpo", "simpo") else tok.prefix_style
+    examples = [PreferenceExample(style(r), r.where, r.label) for r in records]
+    if objective == "kto":
+        for g in range(0, len(examples), batch_size):
+            group = examples[g:g + batch_size]
+            for i, e in enumerate(group):
+                (own,), (other,) = e.sequences, group[i - 1].sequences
+                e.kl = Sequence(own.ids[:own.prompt_len] + other.ids[other.prompt_len:], own.prompt_len)
+    if style == tok.prefix_style:  # keep_start, once the KL sequences took the whole completions
+        for e in examples:
+            e.sequences = tuple(Sequence(s.ids[:tok.seq_len], s.prompt_len) for s in e.sequences)
+            if e.kl is not None:
+                e.kl = Sequence(e.kl.ids[:tok.seq_len], e.kl.prompt_len)
+    return examples
+
+
+@dataclass
+class PackedSequences:
+    """Sequences packed into one row (1, T): ``input_ids``, ``position_ids``; per position ``t`` (which predicts
+    token ``t + 1``): ``labels`` (B, T) aligned with the inputs as for SFT (-100 at each sequence's first token),
+    ``segment`` (T,) the sequence of the predicted token, ``completion`` (T,) whether it is a completion token;
+    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`) and ``lengths`` (n,) tokens per
+    sequence."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    segment: torch.Tensor
+    completion: torch.Tensor
+    completion_lens: torch.Tensor
+    predicted_lens: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def pack(cls, sequences: list[Sequence]) -> PackedSequences:
+        ids = torch.tensor([t for s in sequences for t in s.ids], dtype=torch.int64)
+        lengths = torch.tensor([len(s.ids) for s in sequences])
+        starts = torch.cumsum(lengths, 0) - lengths
+        seg = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
+        pos = torch.arange(len(ids)) - torch.repeat_interleave(starts, lengths)
+        first = pos == 0
+        labels = torch.where(first, IGNORE_INDEX, ids)
+        prompt = torch.repeat_interleave(torch.tensor([s.prompt_len for s in sequences]), lengths)
+        # position t predicts t + 1: shift the per-token facts one to the left
+        completion = torch.zeros(len(ids), dtype=torch.bool)
+        completion[:-1] = (pos >= prompt)[1:] & ~first[1:]
+        segment = torch.zeros(len(ids), dtype=torch.int64)
+        segment[:-1] = seg[1:]
+        return cls(ids[None], pos[None], labels[None], segment, completion,
+                   torch.tensor([float(s.completion_len) for s in sequences]),
+                   torch.tensor([float(s.predicted_len) for s in sequences]), lengths)
+
+
+@dataclass
+class PreferenceBatch:
+    """One micro-batch: ``rows`` (paired: chosen then rejected sequences; KTO: the completions), ``kl`` (KTO),
+    ``index`` the examples' indices (for their stored reference log-probs), ``labels`` (KTO, bool (P,))."""
+
+    rows: PackedSequences
+    index: torch.Tensor
+    kl: PackedSequences | None = None
+    labels: torch.Tensor | None = None
+
+
+def make_batch(examples: list[PreferenceExample], index: list[int]) -> PreferenceBatch:
+    chosen = [examples[i] for i in index]
+    n_seq = len(chosen[0].sequences)
+    rows = PackedSequences.pack([e.sequences[k] for k in range(n_seq) for e in chosen])
+    if chosen[0].label is None:
+        return PreferenceBatch(rows, torch.tensor(index))
+    return PreferenceBatch(rows, torch.tensor(index), PackedSequences.pack([e.kl for e in chosen]),
+                           torch.tensor([e.label for e in chosen]))
+
+
+class ExampleStream:
+    """The endless, seeded order of the examples (module docstring): ``indices(start, count)``."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = torch.randperm(self.n, generator=g)
+        return self._orders[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        return [int(self.order(k // self.n)[k % self.n]) for k in range(start, start + count)]
+
+
+def load_examples(config, seq_len: int, tokenizer, special: dict, model_dir: str) -> list[PreferenceExample]:
+    """``config.data_file``'s examples for ``config.objective``, tokenized with the checkpoint's tokenizer, its
+    ``special`` tokens (``ligermodels.train.data.special_tokens``) and its chat template (for conversations), each
+    sequence at most ``seq_len`` tokens."""
+    from ligermodels.train.data import special_token_names
+
+    records = read_preference_jsonl(config.data_file, config.objective)
+    chat = None
+    if any(isinstance(r.prompt, list) for r in records):
+        try:
+            chat = ChatTemplate.from_checkpoint(model_dir, special_token_names(model_dir))
+        except ChatTemplateError as e:
+            raise DataError(str(e)) from None
+    tok = PreferenceTokenizer(tokenizer, chat, special["bos"], special["eos"], seq_len)
+    return tokenize_preferences(records, config.objective, tok, config.batch_size)

@@ -1,0 +1,249 @@
+"""Preference objectives (``--objective dpo|orpo|simpo|kto``) against TRL 1.16 on the same tiny model and data: the
+loss, TRL's metrics and every parameter's gradient, in fp32; and ``python -m ligermodels.train`` running them.
+
+TRL's trainers are built on the transformers twin of our checkpoint and give ``compute_loss`` on their own collated
+batch of all the examples (one micro-batch); ours is :class:`PreferenceTask` on a micro-batch of the same examples.
+The reference log-probs are given to both sides as the same numbers (TRL's precomputed-reference mode reads them from
+the batch): they come from a perturbed copy of the model, so the rewards are not zero. Our reference pass itself is
+compared with transformers' float64 log-softmax of the same sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ligermodels import CausalLM
+from ligermodels.hf_io import hf_tensors
+from ligermodels.train.config import TrainConfig, parse_args
+from ligermodels.train.data import load_inputs
+from ligermodels.train.objectives import PreferenceTask
+from ligermodels.train.preference import make_batch
+from tests.test_chat import _checkpoint_dir
+from tests.test_train import ENV, ROOT, TIMEOUT
+from tests.utils import rel_err
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+CPU = torch.device("cpu")
+PAIRS = [{"prompt": f"what is {i}+{i}?", "chosen": f"it is {2 * i}.", "rejected": f"no idea, {i * 7 % 10}"}
+         for i in range(5)]
+CHAT_PAIRS = [{"prompt": [{"role": "user", "content": p["prompt"]}],
+               "chosen": [{"role": "assistant", "content": p["chosen"]}],
+               "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in PAIRS]
+UNPAIRED = [{"prompt": f"what is {i}+{i}?", "completion": f"it is {2 * i + i % 2}.", "label": i % 2 == 0}
+            for i in range(6)]
+
+#: (our TrainConfig options, TRL trainer, TRL config options)
+CASES = {
+    "dpo-sigmoid": ({"objective": "dpo", "beta": 0.3}, "dpo", {"beta": 0.3}),
+    "dpo-hinge": ({"objective": "dpo", "beta": 0.3, "dpo_loss": "hinge"}, "dpo", {"beta": 0.3, "loss_type": ["hinge"]}),
+    "dpo-ipo": ({"objective": "dpo", "beta": 0.4, "dpo_loss": "ipo"}, "dpo", {"beta": 0.4, "loss_type": ["ipo"]}),
+    "dpo-robust": ({"objective": "dpo", "beta": 0.3, "dpo_loss": "robust", "label_smoothing": 0.2}, "dpo",
+                   {"beta": 0.3, "loss_type": ["robust"], "label_smoothing": 0.2}),
+    "orpo": ({"objective": "orpo", "beta": 0.2}, "orpo", {"beta": 0.2}),
+    "simpo": ({"objective": "simpo", "beta": 2.0, "simpo_gamma": 0.7, "cpo_alpha": 0.5}, "cpo",
+              {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.7, "cpo_alpha": 0.5}),
+    "simpo-smoothed": ({"objective": "simpo", "beta": 2.0, "label_smoothing": 0.1}, "cpo",
+                       {"loss_type": "simpo", "beta": 2.0, "cpo_alpha": 0.0, "label_smoothing": 0.1}),
+    "kto": ({"objective": "kto", "beta": 0.2, "desirable_weight": 1.3, "undesirable_weight": 0.8}, "kto",
+            {"beta": 0.2, "desirable_weight": 1.3, "undesirable_weight": 0.8}),
+}
+
+
+def _tiny_checkpoint(tmp_path, style: str) -> str:
+    d = _checkpoint_dir(tmp_path, style)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return d
+
+
+def _write(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def _trl_trainer(kind: str, model, tokenizer, records, options: dict, out: str):
+    common = {"output_dir": out, "per_device_train_batch_size": len(records), "report_to": [], "use_cpu": True,
+              "max_length": 128, **options}
+    ds = datasets.Dataset.from_list(records)
+    if kind == "dpo":
+        return trl.DPOTrainer(model=model, args=trl.DPOConfig(precompute_ref_log_probs=True, **common),
+                              train_dataset=ds, processing_class=tokenizer)
+    if kind == "kto":
+        return trl.KTOTrainer(model=model, args=trl.KTOConfig(precompute_ref_log_probs=True, **common),
+                              train_dataset=ds, processing_class=tokenizer)
+    if kind == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+        return ORPOTrainer(model=model, args=ORPOConfig(**common), train_dataset=ds, processing_class=tokenizer)
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    return CPOTrainer(model=model, args=CPOConfig(**common), train_dataset=ds, processing_class=tokenizer)
+
+
+def _ours(checkpoint: str, data: str, options: dict, out: str, n: int):
+    config = TrainConfig(model=checkpoint, data=data, out=out, batch_size=n, seq_len=128, dtype="fp32", device="cpu",
+                         **options)
+    inputs = load_inputs(config)
+    task = PreferenceTask(config, inputs.examples, "tokens")
+    model = CausalLM.from_hf(checkpoint, dtype=torch.float32)
+    return task, model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case):
+    ours_options, kind, trl_options = CASES[case]
+    style, records = ("qwen2", CHAT_PAIRS) if case == "dpo-sigmoid" else ("llama3", PAIRS)
+    records = UNPAIRED if kind == "kto" else records
+    checkpoint = _tiny_checkpoint(tmp_path, style)
+    data = _write(tmp_path / "data.jsonl", records)
+    n = len(records)
+    task, ours = _ours(checkpoint, data, ours_options, str(tmp_path / "out"), n)
+    if kind in ("dpo", "kto"):  # the reference: a perturbed copy, so the rewards are not zero
+        task.reference_model = copy.deepcopy(ours)
+        with torch.no_grad():
+            for p in task.reference_model.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        task.reference_logps = task.compute_reference_logps(ours, 0, 1, CPU)
+        task.reference_model = None
+    counts = task.counts(list(range(n)), 1, CPU)
+    stats = task.forward_backward(ours, make_batch(task.examples, list(range(n))), counts, 1, CPU)
+    our_metrics = task.metrics(stats[1:].tolist(), counts)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    trainer = _trl_trainer(kind, hf, tokenizer, records, trl_options, str(tmp_path / "trl"))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
+    if kind == "dpo":
+        batch["ref_chosen_logps"], batch["ref_rejected_logps"] = task.reference_logps.unbind(1)
+    if kind == "kto":
+        batch["ref_logps"], batch["ref_KL_logps"] = task.reference_logps.unbind(1)
+    hf.train()
+    loss = trainer.compute_loss(hf, batch)
+    loss.backward()
+    logged = getattr(trainer, "_metrics", None) or trainer._stored_metrics
+    theirs = {k: float(v[-1]) for k, v in logged["train"].items()}
+
+    assert rel_err(stats[0], loss.detach()) <= 1e-5, (stats[0].item(), loss.item())
+    assert set(our_metrics) <= set(theirs), sorted(set(our_metrics) - set(theirs))
+    if kind in ("dpo", "kto"):
+        assert abs(theirs["rewards/chosen"]) > 1e-3  # the perturbed reference makes them count
+    for name, value in our_metrics.items():
+        assert abs(value - theirs[name]) <= 1e-5 * max(1.0, abs(theirs[name])), (name, value, theirs[name])
+    ours_grads = dict(hf_tensors({n: p.grad for n, p in ours.named_parameters()}, ours.config))
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(ours_grads) == set(hf_grads)
+    for name, g in hf_grads.items():
+        assert rel_err(ours_grads[name], g) <= 1e-4, (name, rel_err(ours_grads[name], g))
+
+
+def test_reference_logps_are_transformers_float64_log_softmax_of_each_sequence(tmp_path):
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3")
+    data = _write(tmp_path / "data.jsonl", PAIRS)
+    task, ours = _ours(checkpoint, data, {"objective": "dpo"}, str(tmp_path / "out"), 2)
+    ref = task.compute_reference_logps(ours, 0, 1, CPU)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
+    for i, example in enumerate(task.examples):
+        for k, seq in enumerate(example.sequences):
+            ids = torch.tensor([seq.ids])
+            with torch.no_grad():
+                logp = hf(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+            expected = logp[max(seq.prompt_len, 1) - 1:].sum()
+            assert abs(ref[i, k].item() - expected.item()) <= 1e-5 * abs(expected.item()), (i, k)
+
+
+def _train(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ligermodels.train", *args, "--dtype", "fp32", "--device", "cpu"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def _metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo", "kto"])  # dpo: the runs below
+def test_the_trainer_runs_each_objective_and_logs_trl_metric_names(tmp_path, objective):
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3")
+    data = _write(tmp_path / "data.jsonl", (UNPAIRED if objective == "kto" else PAIRS) * 2)
+    out = tmp_path / "out"
+    res = _train(["--model", checkpoint, "--data", data, "--out", str(out), "--objective", objective,
+                  "--batch-size", "2", "--steps", "3", "--lr", "1e-2", "--save-every", "0"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = _metrics(out)
+    assert len(metrics) == 3
+    names = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+    if objective == "kto":  # a batch without desirable (or undesirable) examples has no such mean, as in TRL
+        assert all(any(m[name] is not None for m in metrics) for name in names)
+        assert all(m["kl"] is not None for m in metrics)
+    else:
+        assert all(m[name] is not None for m in metrics for name in (*names, "rewards/margins", "rewards/accuracies"))
+    assert (out / "reference_logps.safetensors").exists() == (objective in ("dpo", "kto"))
+    assert (out / "final" / "model.safetensors").exists()
+
+
+def test_dpo_resume_repeats_the_uninterrupted_run(tmp_path):
+    """The reference log-probs are computed once, before step 1, and read back on resume: steps 3-4 of a run
+    resumed at step 2 equal the uninterrupted run's, and so do the final weights."""
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3")
+    data = _write(tmp_path / "data.jsonl", PAIRS * 2)
+    common = ["--model", checkpoint, "--data", data, "--objective", "dpo", "--batch-size", "2", "--lr", "1e-2",
+              "--lr-schedule", "constant", "--warmup-steps", "0"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert _train([*common, "--out", str(whole), "--steps", "4", "--save-every", "0"]).returncode == 0
+    assert _train([*common, "--out", str(parts), "--steps", "2", "--save-every", "2"]).returncode == 0
+    res = _train([*common, "--out", str(parts), "--steps", "4", "--save-every", "2", "--resume"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = _metrics(whole), _metrics(parts)
+    assert [m["loss"] for m in a] == [m["loss"] for m in b]
+    assert [m["rewards/margins"] for m in a] == [m["rewards/margins"] for m in b]
+    x = CausalLM.from_hf(str(whole / "final"), dtype=torch.float32).state_dict()
+    y = CausalLM.from_hf(str(parts / "final"), dtype=torch.float32).state_dict()
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+    (parts / "reference_logps.safetensors").unlink()
+    res = _train([*common, "--out", str(parts), "--steps", "4", "--save-every", "2", "--resume"])
+    assert res.returncode == 2 and "reference_logps.safetensors is missing" in res.stderr
+
+
+def test_reference_model_and_lora_base_give_the_precomputed_runs_steps(tmp_path):
+    """--reference model (a frozen copy run every step) takes the same steps as --reference precompute; with LoRA
+    the reference is the base with the adapters off (first step: rewards 0, as the adapters start as a no-op)."""
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3")
+    data = _write(tmp_path / "data.jsonl", PAIRS * 2)
+    common = ["--model", checkpoint, "--data", data, "--objective", "dpo", "--batch-size", "2", "--lr", "1e-2",
+              "--steps", "3", "--save-every", "0"]
+    runs = {}
+    for name, extra in (("pre", []), ("model", ["--reference", "model"]),
+                        ("lora", ["--lora-rank", "4", "--lora-alpha", "8"]),
+                        ("lora-model", ["--lora-rank", "4", "--lora-alpha", "8", "--reference", "model"])):
+        res = _train([*common, "--out", str(tmp_path / name), *extra])
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = _metrics(tmp_path / name)
+    for a, b in ((runs["pre"], runs["model"]), (runs["lora"], runs["lora-model"])):
+        for ma, mb in zip(a, b, strict=True):
+            assert abs(ma["loss"] - mb["loss"]) <= 1e-5 * ma["loss"]
+            assert abs(ma["rewards/margins"] - mb["rewards/margins"]) <= 1e-5 + 1e-4 * abs(ma["rewards/margins"])
+    assert runs["lora"][0]["rewards/chosen"] == 0.0 and runs["lora"][-1]["rewards/margins"] != 0.0
+    assert not (tmp_path / "lora-model" / "reference_logps.safetensors").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--objective", "orpo", "--label-smoothing", "0.1"], "--label-smoothing applies to"),
+    (["--objective", "dpo", "--attention", "causal"], "needs --attention documents"),
+    (["--objective", "dpo", "--beta", "0"], "--beta must be positive"),
+    (["--objective", "kto", "--desirable-weight", "-1"], "--desirable-weight must be non-negative"),
+    (["--objective", "simpo", "--simpo-gamma", "-1"], "--simpo-gamma must be non-negative"),
+    (["--objective", "rlhf"], "invalid choice"),
+])
+def test_bad_preference_flags_are_refused_by_name(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", *flags])
+    assert message in capsys.readouterr().err
