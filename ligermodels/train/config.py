@@ -262,15 +262,20 @@ class TrainConfig:
         """The --report-to names."""
         return [r.strip() for r in self.report_to.split(",") if r.strip()]
 
+    def seq_len_for(self, max_position_embeddings: int) -> int:
+        """``--seq-len``, or its default min(2048, the model's ``max_position_embeddings``); refused above that."""
+        seq_len = self.seq_len if self.seq_len is not None else min(2048, max_position_embeddings)
+        if seq_len > max_position_embeddings:
+            raise TrainError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
+                             f"({max_position_embeddings})")
+        return seq_len
+
     def resolved(self, max_position_embeddings: int, checkpoint: dict | None = None) -> TrainConfig:
         """This config with the two values that need the inputs filled in, once, before training starts:
         ``seq_len`` (default min(2048, the model's ``max_position_embeddings``), refused above it) and
         ``warmup_steps`` (default: the resumed ``checkpoint``'s train_state, else the run's default, at most
         ``steps``)."""
-        seq_len = self.seq_len if self.seq_len is not None else min(2048, max_position_embeddings)
-        if seq_len > max_position_embeddings:
-            raise TrainError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
-                             f"({max_position_embeddings})")
+        seq_len = self.seq_len_for(max_position_embeddings)
         warmup = self.warmup_steps
         if warmup is None and checkpoint is not None and "warmup_steps" in checkpoint:
             warmup = checkpoint["warmup_steps"]  # the run's own (its default fitted its --steps)

@@ -93,9 +93,15 @@ def json_lines(path: str) -> Iterator[tuple[int, str, object]]:
             if not line.strip():
                 continue
             try:
-                yield lineno, line, json.loads(line)
+                value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
+            try:  # a JSON escape such as "\ud800" makes a lone surrogate, which no tokenizer takes
+                json.dumps(value, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as e:
+                surrogate = e.object[e.start]
+                raise DataError(f"{path} line {lineno}: not valid Unicode (lone surrogate {surrogate!r})") from None
+            yield lineno, line, value
 
 
 def read_jsonl(path: str) -> list[Example]:
@@ -116,11 +122,6 @@ def read_jsonl(path: str) -> list[Example]:
         else:
             raise DataError(f'{where}: expected {{"text": str}}, {{"prompt": str, "completion": str}} or '
                             f'{{"messages": [...]}}, got {line.strip()[:80]!r}')
-        try:  # a JSON escape such as "\ud800" makes a lone surrogate, which no tokenizer takes
-            (example.prompt + example.text + json.dumps(example.messages, ensure_ascii=False)).encode("utf-8")
-        except UnicodeEncodeError as e:
-            surrogate = e.object[e.start]
-            raise DataError(f"{path} line {lineno}: not valid Unicode (lone surrogate {surrogate!r})") from None
         examples.append(example)
     if not examples:
         raise DataError(f"data file {path!r} holds no examples")
@@ -168,35 +169,30 @@ def special_token_names(directory: str | None) -> dict[str, str]:
 
 
 def special_tokens(tokenizer, directory: str | None) -> dict[str, tuple[str, int] | None]:
-    """{"bos": (text, id), "eos": (text, id)} as transformers' ``bos_token`` / ``eos_token`` name them (None where
-    the tokenizer files name none), whether or not the tokenizer's post-processor adds them."""
+    """{"bos": (text, id), "eos": (text, id)} as transformers' ``bos_token`` / ``eos_token`` name them in the tokenizer
+    files (None where they name none, a null entry included: Qwen2 has no BOS), whether or not the tokenizer's
+    post-processor adds them; a named token the tokenizer lacks is a DataError naming it and the file."""
     files, out = _token_files(directory), {}
     for kind in ("bos", "eos"):
-        found = _named_token(files, f"{kind}_token")
-        token_id = None if found is None or found[0] is None else tokenizer.token_to_id(found[0])
-        out[kind] = None if token_id is None else (found[0], token_id)
+        key = f"{kind}_token"
+        named = _named_token(files, key)
+        token_id = None if named is None or named[0] is None else tokenizer.token_to_id(named[0])
+        if named is not None and named[0] is not None and token_id is None:
+            raise DataError(f"{named[1]}: {key} {named[0]!r} is not a token of the tokenizer (tokenizer.json)")
+        out[kind] = None if token_id is None else (named[0], token_id)
     return out
 
 
 def special_token_ids(tokenizer, directory: str | None) -> tuple[int | None, int | None]:
     """(BOS id, EOS id) to add to every document, by the rule in the module docstring."""
-    files = _token_files(directory)
-    model_cfg = {} if files else _json_file(directory, "config.json")  # read only without tokenizer files
-    found = []
-    for kind in ("bos", "eos"):
-        token_id, key = None, f"{kind}_token"
-        if files:  # the tokenizer files decide (a null entry included: Qwen2 has no BOS)
-            named = _named_token(files, key)
-            if named is not None and named[0] is not None:
-                token_id = tokenizer.token_to_id(named[0])
-                if token_id is None:
-                    raise DataError(f"{named[1]}: {key} {named[0]!r} is not a token of the tokenizer "
-                                    "(tokenizer.json)")
-        else:
+    if _token_files(directory):  # the tokenizer files decide
+        found = [None if t is None else t[1] for t in special_tokens(tokenizer, directory).values()]
+    else:  # read only without tokenizer files
+        model_cfg, found = _json_file(directory, "config.json"), []
+        for kind in ("bos", "eos"):
             value = model_cfg.get(f"{kind}_token_id")
             value = value[0] if isinstance(value, list) and value else value
-            token_id = value if isinstance(value, int) and not isinstance(value, bool) else None
-        found.append(token_id)
+            found.append(value if isinstance(value, int) and not isinstance(value, bool) else None)
     bos, eos = found
     if bos is not None and tokenizer.encode("", add_special_tokens=True).ids[:1] != [bos]:
         bos = None  # the tokenizer's post-processor does not start a text with BOS: neither does training
@@ -258,6 +254,11 @@ def _chat_documents(examples: list[Example], tokenizer, chat: ChatTemplate | Non
     return out
 
 
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The order (a permutation of ``n``) in which epoch ``epoch`` visits the documents (or preference examples)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
 class PackedRows:
     """The endless, deterministic sequence of packed rows over ``documents`` (see the module docstring).
 
@@ -290,8 +291,7 @@ class PackedRows:
     def _epoch_index(self, epoch: int) -> torch.Tensor:
         """Indices into self.tokens giving epoch ``epoch``'s stream (documents in a seeded order)."""
         if epoch not in self._cache:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            order = torch.randperm(len(self.lengths), generator=g)
+            order = epoch_order(len(self.lengths), self.seed, epoch)
             lengths = self.lengths[order]
             # position j of the stream = offsets[doc] + (j - start of doc in the stream)
             stream_start = torch.cumsum(lengths, 0) - lengths
@@ -357,7 +357,7 @@ def load_inputs(config: TrainConfig) -> Inputs:
     if config.objective != "sft":
         from ligermodels.train.preference import load_examples
 
-        seq_len = config.resolved(model_config.max_position_embeddings).seq_len  # the longest sequence
+        seq_len = config.seq_len_for(model_config.max_position_embeddings)  # the longest sequence
         examples = load_examples(config, seq_len, tokenizer, special_tokens(tokenizer, model_dir), model_dir)
         _check_vocab([i for e in examples for s in e.sequences for i in s.ids], model_config)
         return Inputs(model_config, cls, None if config.random_init else model_dir, model_dir, tokenizer, bos, eos,

@@ -208,22 +208,21 @@ class PreferenceTask:
         return counts
 
     # -- log-probs
-    def sequence_logps(self, model: CausalLM, rows: PackedSequences, device: torch.device
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-position log-probs (T,), each sequence's summed completion log-probs (n,)) of one packed row."""
-        documents = Documents.from_positions(rows.position_ids).to(device)
-        ids, labels, pos = (to_device(t, device) for t in (rows.input_ids, rows.labels, rows.position_ids))
-        tok = model.token_logprobs(ids, labels, pos, documents, strategy=self.strategy)
-        seg, completion = to_device(rows.segment, device), to_device(rows.completion, device)
-        return tok, sequence_sums(tok, seg, len(rows.lengths), completion)
+    def sequence_logps(self, model: CausalLM, rows: PackedSequences) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-position log-probs (T,), each sequence's summed completion log-probs (n,)) of one packed row already
+        on the model's device."""
+        tok = model.token_logprobs(rows.input_ids, rows.labels, rows.position_ids, rows.documents,
+                                   strategy=self.strategy)
+        return tok, sequence_sums(tok, rows.segment, len(rows.lengths), rows.completion)
 
     @torch.no_grad()
-    def reference_forward(self, model: CausalLM, batch: PreferenceBatch, device: torch.device) -> torch.Tensor:
-        """(P, 2) reference log-probs of a micro-batch: (chosen, rejected), KTO (completion, KL completion)."""
+    def reference_forward(self, model: CausalLM, batch: PreferenceBatch) -> torch.Tensor:
+        """(P, 2) reference log-probs of a micro-batch on the device: (chosen, rejected), KTO (completion, KL
+        completion)."""
         reference = self.reference_model if self.reference_model is not None else model
         with adapters_disabled(reference):  # LoRA: the base; a plain model has no adapters to disable
-            first = self.sequence_logps(reference, batch.rows, device)[1]
-            second = None if batch.kl is None else self.sequence_logps(reference, batch.kl, device)[1]
+            first = self.sequence_logps(reference, batch.rows)[1]
+            second = None if batch.kl is None else self.sequence_logps(reference, batch.kl)[1]
         p = len(batch.index)
         return torch.stack([first[:p], first[p:]] if second is None else [first, second], dim=1)
 
@@ -231,16 +230,14 @@ class PreferenceTask:
         """Every example's reference log-probs (examples, 2), fp32 on the host: one pass in file order, micro-batches
         of ``--batch-size`` spread over the ranks (each rank runs as many forwards, so FSDP's collectives match)."""
         n, b = len(self.examples), self.config.batch_size
-        starts = list(range(0, n, b))
-        per_rank = -(-len(starts) // world)
+        batches = [list(range(start, min(start + b, n))) for start in range(0, n, b)]
         out = torch.zeros(n, 2, device=device)
         was_training = model.training
         model.eval()
-        for k in range(per_rank):
-            j = k * world + rank
-            index = list(range(starts[min(j, len(starts) - 1)], min(starts[min(j, len(starts) - 1)] + b, n)))
-            logps = self.reference_forward(model, make_batch(self.examples, index), device)
-            if j < len(starts):  # a rank past the end repeats the last batch and keeps nothing
+        for j in range(rank, -(-len(batches) // world) * world, world):
+            index = batches[min(j, len(batches) - 1)]  # a rank past the end repeats the last batch, keeps nothing
+            logps = self.reference_forward(model, make_batch(self.examples, index).to(device))
+            if j < len(batches):
                 out[index] = logps
         model.train(was_training)
         if world > 1:
@@ -253,30 +250,31 @@ class PreferenceTask:
         """[loss, each metric's sum] of one micro-batch (loss already divided by the global counts), after its
         backward."""
         c, p = self.config, len(batch.index)
-        ref = (self.reference_logps[batch.index].to(device) if self.reference_logps is not None
-               else self.reference_forward(model, batch, device))
-        tok, logps = self.sequence_logps(model, batch.rows, device)
+        ref = (to_device(self.reference_logps[batch.index], device) if self.reference_logps is not None else None)
+        batch = batch.to(device)  # every tensor copied once, queued without a host sync
+        ref = ref if ref is not None else self.reference_forward(model, batch)
+        tok, logps = self.sequence_logps(model, batch.rows)
         if c.objective == "kto":
             with torch.no_grad():
-                kl = (self.sequence_logps(model, batch.kl, device)[1] - ref[:, 1]).mean()
+                kl = (self.sequence_logps(model, batch.kl)[1] - ref[:, 1]).mean()
                 if world > 1:
                     dist.all_reduce(kl)
                     kl = kl / world
                 kl = kl.clamp(min=0)
-            losses, metrics = kto_terms(c, logps, ref[:, 0], to_device(batch.labels, device), kl)
+            losses, metrics = kto_terms(c, logps, ref[:, 0], batch.labels, kl)
             loss = losses.sum() / norms["examples"]
             metrics["kl"] = kl
         elif c.objective == "dpo":
-            lens = to_device(batch.rows.completion_lens, device)
+            lens = batch.rows.completion_lens
             losses, metrics = dpo_terms(c, logps[:p], logps[p:], ref[:, 0], ref[:, 1], lens[:p], lens[p:])
             loss = losses.sum() / norms["pairs"]
         else:  # orpo, simpo: mean token log-probs, and the NLL of the chosen sequences
-            avg = logps / to_device(batch.rows.predicted_lens, device).clamp(min=1)
+            avg = logps / batch.rows.predicted_lens.clamp(min=1)
             terms = orpo_terms if c.objective == "orpo" else simpo_terms
             losses, metrics = terms(c, avg[:p], avg[p:])
-            chosen = to_device(batch.rows.segment, device) < p
+            chosen = batch.rows.segment < p
             if c.objective == "simpo":
-                chosen = chosen & to_device(batch.rows.completion, device)
+                chosen = chosen & batch.rows.completion
             nll = -(tok * chosen).sum() / norms["nll_tokens"]
             if c.objective == "simpo" and not c.cpo_alpha:
                 nll = torch.zeros_like(nll)  # as TRL: no NLL term, and nll_loss logged as 0

@@ -31,12 +31,14 @@ stays within a sequence as it does for SFT documents.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from ligermodels.attention import Documents, to_device
 from ligermodels.train.chat import ChatTemplate, ChatTemplateError, check_messages
-from ligermodels.train.data import IGNORE_INDEX, DataError, json_lines
+from ligermodels.train.data import IGNORE_INDEX, DataError, epoch_order, json_lines
 
 PAIRED = ("dpo", "orpo", "simpo")
 OBJECTIVES = ("sft", *PAIRED, "kto")
@@ -232,8 +234,8 @@ class PackedSequences:
     """Sequences packed into one row (1, T): ``input_ids``, ``position_ids``; per position ``t`` (which predicts
     token ``t + 1``): ``labels`` (B, T) aligned with the inputs as for SFT (-100 at each sequence's first token),
     ``segment`` (T,) the sequence of the predicted token, ``completion`` (T,) whether it is a completion token;
-    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`) and ``lengths`` (n,) tokens per
-    sequence."""
+    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`), ``lengths`` (n,) tokens per
+    sequence, and ``documents`` (the sequences' bounds, found on the host for the attention kernel)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -243,6 +245,7 @@ class PackedSequences:
     completion_lens: torch.Tensor
     predicted_lens: torch.Tensor
     lengths: torch.Tensor
+    documents: Documents
 
     @classmethod
     def pack(cls, sequences: list[Sequence]) -> PackedSequences:
@@ -261,7 +264,14 @@ class PackedSequences:
         segment[:-1] = seg[1:]
         return cls(ids[None], pos[None], labels[None], segment, completion,
                    torch.tensor([float(s.completion_len) for s in sequences]),
-                   torch.tensor([float(s.predicted_len) for s in sequences]), lengths)
+                   torch.tensor([float(s.predicted_len) for s in sequences]), lengths,
+                   Documents.from_positions(pos[None]))
+
+    def to(self, device: torch.device) -> PackedSequences:
+        """Every tensor on ``device`` (``lengths`` stays on the host), each copied once, without a host sync."""
+        moved = {f.name: to_device(getattr(self, f.name), device) for f in dataclasses.fields(self)
+                 if f.name not in ("lengths", "documents")}
+        return dataclasses.replace(self, **moved, documents=self.documents.to(device))
 
 
 @dataclass
@@ -273,6 +283,11 @@ class PreferenceBatch:
     index: torch.Tensor
     kl: PackedSequences | None = None
     labels: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> PreferenceBatch:
+        """The batch's tensors on ``device`` (``index`` stays on the host: it indexes host tensors)."""
+        return dataclasses.replace(self, rows=self.rows.to(device), kl=None if self.kl is None else self.kl.to(device),
+                                   labels=None if self.labels is None else to_device(self.labels, device))
 
 
 def make_batch(examples: list[PreferenceExample], index: list[int]) -> PreferenceBatch:
@@ -292,15 +307,15 @@ class ExampleStream:
         self.n, self.seed = n, seed
         self._orders: dict[int, torch.Tensor] = {}
 
-    def order(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._orders:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = torch.randperm(self.n, generator=g)
-        return self._orders[epoch]
-
     def indices(self, start: int, count: int) -> list[int]:
-        return [int(self.order(k // self.n)[k % self.n]) for k in range(start, start + count)]
+        out = []
+        for k in range(start, start + count):
+            epoch = k // self.n
+            if epoch not in self._orders:
+                self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # keep a small window
+                self._orders[epoch] = epoch_order(self.n, self.seed, epoch)
+            out.append(int(self._orders[epoch][k % self.n]))
+        return out
 
 
 def load_examples(config, seq_len: int, tokenizer, special: dict, model_dir: str) -> list[PreferenceExample]:
