@@ -28,10 +28,4 @@ set -euo pipefail
 DIR=${1:-.whl}
 PACKAGES=(torchtitan==0.2.2 torchdata==0.11.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 fsspec==2026.9.0
           tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1)
-mkdir -p "$DIR"
-for package in "${PACKAGES[@]}"; do
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$DIR" "$package"
-done
-ls -l "$DIR"
+bash "$(dirname "$0")/fetch_wheels.sh" "$DIR" "${PACKAGES[@]}"

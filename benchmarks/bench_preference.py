@@ -1,0 +1,246 @@
+"""Preference tuning as users run it: ``python -m ligermodels.train --objective dpo|orpo`` against TRL 1.16's
+``DPOTrainer`` / ``ORPOTrainer`` (plain, ``use_liger_kernel=True``, ``torch_compile=True``), same pairs, same
+precision, one machine, each run its own process.
+
+Inputs: ``WORK/<model>/model`` (the public config.json shape of ``benchmarks.common.MODELS``, a word-level tokenizer
+filling its vocabulary: one token per word) and ``WORK/<model>/pairs.jsonl``: ``--pairs`` lines of a ``--prompt-words``
+word prompt and ``--completion-words`` word chosen and rejected completions (random words, seed 0). Every sequence
+is then prompt + completion + EOS, the same length, so every step of every implementation trains on the same number
+of tokens (``4 x 2 x (256 + 769) = 8200`` at the defaults) whatever order each side draws the pairs in (each its own
+seeded order). Both sides start from a random init of the shape (each its own draw).
+
+Precision and optimiser, the same on both sides: fp32 master weights, bf16 compute, AdamW (betas 0.9/0.95, eps 1e-8,
+weight decay 0.1), constant lr 1e-6, clipping at 1.0, ``--batch`` pairs a micro-batch, no gradient accumulation.
+The reference (DPO, ``--reference``): ``model``: a reference forward every step (ours: a frozen bf16 copy; TRL: its
+default, a second model loaded in fp32 and run under bf16 autocast); ``precompute``: reference log-probs computed
+before the first step on both sides (TRL's ``precompute_ref_log_probs=True``), not timed. TRL pads each micro-batch's
+chosen and rejected sequences to their longest (here all equal: no padding) and builds the full logits (its
+Liger-Kernel option leaves the fused linear loss off under DPO); ours packs the pairs into one row without padding
+and never builds the logits.
+
+Per run: ``tokens_per_s`` (median over the steps after ``--warmup`` of the step's input tokens / step time: ours from
+its metrics.jsonl, TRL's from the time between consecutive ``on_step_end`` callbacks after a device sync),
+``peak_mem_gb`` (``max_memory_allocated`` from the loaded model on), ``losses``.
+
+    python -m benchmarks.bench_preference --out /tmp/bp --model qwen2-1.5b --objective dpo --reference model
+
+Writes ``results/preference-<gpu>-<date><tag>.json``, merged into an existing file of that name (rows keyed by
+model, objective, reference and implementation), so several calls may fill one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+from benchmarks.bench_train import run_child, summarize
+from benchmarks.common import MODELS, RESULTS, SPECIALS, environment, write_model_dir, write_results
+
+IMPLS = ("ligermodels", "trl", "trl+liger", "trl+compile")
+SEED = 0
+LR = 1e-6
+#: ours against the fastest TRL variant (tokens/s, at least) and TRL + Liger-Kernel (peak memory, at most)
+TARGETS = {"speed_vs_fastest_trl": 1.3, "memory_vs_trl_liger": 0.7}
+
+
+#: ``--shrink`` (tests only): the shape cut to this, to run both sides on a CPU in seconds
+SHRUNK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16)
+
+
+def model_config(model: str, shrink: bool) -> dict:
+    return {**MODELS[model], "bos_token_id": 2, "eos_token_id": 3, **(SHRUNK if shrink else {})}
+
+
+def write_inputs(work: str, model: str, pairs: int, prompt_words: int, completion_words: int,
+                 shrink: bool = False) -> tuple[str, str]:
+    """WORK/<model>/model and WORK/<model>/pairs.jsonl (see the module docstring)."""
+    config = model_config(model, shrink)
+    directory = os.path.join(work, model)
+    model_dir, data = os.path.join(directory, "model"), os.path.join(directory, "pairs.jsonl")
+    write_model_dir(model_dir, config)
+    rng = random.Random(SEED)
+    words = lambda n: " ".join(f"w{rng.randrange(len(SPECIALS), config['vocab_size'])}" for _ in range(n))  # noqa: E731
+    with open(data, "w") as f:
+        for _ in range(pairs):
+            f.write(json.dumps({"prompt": words(prompt_words), "chosen": " " + words(completion_words),
+                                "rejected": " " + words(completion_words)}) + "\n")
+    return model_dir, data
+
+
+def ours_command(args, model_dir: str, data: str, out: str) -> list[str]:
+    return [sys.executable, "-m", "ligermodels.train", "--model", model_dir, "--from-scratch", "--data", data,
+            "--out", out, "--overwrite", "--objective", args.objective, "--reference", args.reference,
+            "--batch-size", str(args.batch), "--steps", str(args.steps), "--seq-len", str(args.seq), "--lr", str(LR),
+            "--lr-schedule", "constant", "--warmup-steps", "0", "--weight-decay", "0.1", "--max-grad-norm", "1.0",
+            "--save-every", "0", "--seed", str(SEED), *(["--device", "cpu"] if args.shrink else [])]
+
+
+def run_ours(args, model_dir: str, data: str) -> dict:
+    out = os.path.join(args.out, f"ours-{args.model}-{args.objective}-{args.reference}")
+    res = run_child(ours_command(args, model_dir, data, out), args.timeout)
+    if res.returncode != 0:
+        return {"error": res.stderr[-2000:]}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    tps = sorted(m["tokens_per_s"] for m in metrics[args.warmup:])
+    return {"tokens_per_s": round(tps[len(tps) // 2], 1),
+            "peak_mem_gb": round(max(m["peak_mem_gb"] for m in metrics), 2),
+            "tokens_per_step": metrics[-1]["tokens"], "steps": len(metrics), "steps_timed": len(tps),
+            "losses": [round(m["loss"], 5) for m in metrics]}
+
+
+def trl_worker(args) -> dict:
+    """(In a child process.) TRL's trainer on the same pairs; the row."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    device = "cpu" if args.shrink else "cuda"
+    config = transformers.AutoConfig.for_model(**model_config(args.model, args.shrink))
+
+    def random_model():
+        torch.manual_seed(SEED)
+        with torch.device(device):
+            m = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        m.config.use_cache = False
+        return m
+
+    model = random_model()
+    ref = random_model() if args.objective == "dpo" and args.reference == "model" else None
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
+    with open(args.data) as f:
+        pairs = datasets.Dataset.from_list([json.loads(line) for line in f])
+    times, losses = [], []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, *a, **k):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter())
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
+    common = dict(output_dir=os.path.join(args.out, "trl"), per_device_train_batch_size=args.batch,
+                  max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+                  weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,
+                  bf16=not args.shrink, optim="adamw_torch" if args.shrink else "adamw_torch_fused", logging_steps=1,
+                  save_strategy="no", report_to=[], disable_tqdm=True, seed=SEED, data_seed=SEED,
+                  dataloader_num_workers=2, use_liger_kernel=args.worker.endswith("+liger"),
+                  torch_compile=args.worker.endswith("+compile"), max_length=args.seq, use_cpu=args.shrink)
+    if args.objective == "dpo":
+        targs = trl.DPOConfig(beta=0.1, precompute_ref_log_probs=args.reference == "precompute", **common)
+        trainer = trl.DPOTrainer(model=model, ref_model=ref, args=targs, train_dataset=pairs,
+                                 processing_class=tokenizer, callbacks=[Clock()])
+    else:
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        trainer = ORPOTrainer(model=model, args=ORPOConfig(beta=0.1, **common), train_dataset=pairs,
+                              processing_class=tokenizer, callbacks=[Clock()])
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.train()
+    peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
+    step_s = [b - a for a, b in zip([start, *times], times, strict=False)]
+    # DPO: prompt + completion + EOS; ORPO puts BOS in front too
+    tokens = args.batch * 2 * (args.prompt_words + args.completion_words + 1 + (args.objective == "orpo"))
+    return {**summarize(step_s, losses, peak, tokens, args.warmup), "tokens_per_step": tokens}
+
+
+def run_trl(args, impl: str, model_dir: str, data: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.bench_preference", "--worker", impl, "--model-dir", model_dir,
+           "--data", data, *args.passed]
+    res = run_child(cmd, args.timeout)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"error": res.stderr[-2000:]}
+    return json.loads(lines[-1])
+
+
+def checks(rows: list[dict]) -> dict:
+    """Per (model, objective, reference): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
+    out = {}
+    for key in {(r["model"], r["objective"], r["reference"]) for r in rows}:
+        by = {r["impl"]: r for r in rows if (r["model"], r["objective"], r["reference"]) == key and "error" not in r}
+        if "ligermodels" not in by:
+            continue
+        ours, name, result = by["ligermodels"], "/".join(key), {}
+        rivals = [by[i] for i in IMPLS[1:] if i in by]
+        if rivals:
+            fastest = max(rivals, key=lambda r: r["tokens_per_s"])
+            ratio = ours["tokens_per_s"] / fastest["tokens_per_s"]
+            result["speed_vs_fastest_trl"] = {"ratio": round(ratio, 3), "fastest": fastest["impl"],
+                                              "holds": ratio >= TARGETS["speed_vs_fastest_trl"],
+                                              "rivals_run": sorted(by)}
+        if "trl+liger" in by:
+            ratio = ours["peak_mem_gb"] / by["trl+liger"]["peak_mem_gb"]
+            result["memory_vs_trl_liger"] = {"ratio": round(ratio, 3), "holds": ratio <= TARGETS["memory_vs_trl_liger"]}
+        out[name] = result
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="/tmp/bench_preference")
+    p.add_argument("--model", default="qwen2-1.5b", choices=sorted(MODELS))
+    p.add_argument("--objective", default="dpo", choices=("dpo", "orpo"))
+    p.add_argument("--reference", default="model", choices=("model", "precompute"))
+    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    p.add_argument("--batch", type=int, default=4, help="pairs a micro-batch")
+    p.add_argument("--prompt-words", type=int, default=256)
+    p.add_argument("--completion-words", type=int, default=768)
+    p.add_argument("--seq", type=int, default=2048, help="the longest sequence (TRL's max_length)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--shrink", action="store_true", help="a tiny shape on the CPU (tests only; no timing claims)")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--tag", default="")
+    p.add_argument("--results", default=RESULTS)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.passed = list(argv if argv is not None else sys.argv[1:])
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(trl_worker(args)), flush=True)
+        return
+    model_dir, data = write_inputs(args.out, args.model, args.steps * args.batch, args.prompt_words,
+                                   args.completion_words, args.shrink)
+    for impl in args.impls:
+        t0 = time.perf_counter()
+        row = run_ours(args, model_dir, data) if impl == "ligermodels" else run_trl(args, impl, model_dir, data)
+        row = {"impl": impl, "model": args.model, "objective": args.objective, "reference": args.reference,
+               **row, "wall_s": round(time.perf_counter() - t0, 1)}
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+        print(write_row(args, row), flush=True)  # after each run: a later one may not finish
+
+
+def write_row(args, row: dict) -> str:
+    """Merge ``row`` into this machine's and day's results file (replacing the row of the same setting)."""
+    env = environment()
+    name = f"preference-{env['gpu'].replace(' ', '_')}-{env['date']}{args.tag}"
+    path = os.path.join(args.results, f"{name}.json")
+    key = lambda r: (r["model"], r["objective"], r["reference"], r["impl"])  # noqa: E731
+    rows = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            rows = [r for r in json.load(f)["rows"] if key(r) != key(row)]
+    rows.append(row)
+    settings = {k: getattr(args, k) for k in ("batch", "prompt_words", "completion_words", "seq", "steps", "warmup")}
+    return write_results(name, {"settings": settings, "rows": rows, "checks": checks(rows)}, args.results)
+
+if __name__ == "__main__":
+    main()
