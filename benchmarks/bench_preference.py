@@ -231,6 +231,7 @@ def main(argv=None) -> None:
 def write_row(args, row: dict) -> str:
     """Merge ``row`` into this machine's and day's results file (replacing the row of the same setting)."""
     env = environment()
+    row = {**row, "command": env["command"], "commit": env["commit"]}  # a file merges the rows of several calls
     name = f"preference-{env['gpu'].replace(' ', '_')}-{env['date']}{args.tag}"
     path = os.path.join(args.results, f"{name}.json")
     key = lambda r: (r["model"], r["objective"], r["reference"], r["impl"])  # noqa: E731
