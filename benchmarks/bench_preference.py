@@ -77,7 +77,7 @@ def ours_command(args, model_dir: str, data: str, out: str) -> list[str]:
             "--out", out, "--overwrite", "--objective", args.objective, "--reference", args.reference,
             "--batch-size", str(args.batch), "--steps", str(args.steps), "--seq-len", str(args.seq), "--lr", str(LR),
             "--lr-schedule", "constant", "--warmup-steps", "0", "--weight-decay", "0.1", "--max-grad-norm", "1.0",
-            "--save-every", "0", "--seed", str(SEED), *(["--device", "cpu"] if args.shrink else [])]
+            "--save-every", "0", "--seed", str(SEED), "--ac", args.ac, *(["--device", "cpu"] if args.shrink else [])]
 
 
 def run_ours(args, model_dir: str, data: str) -> dict:
@@ -134,7 +134,8 @@ def trl_worker(args) -> dict:
                   bf16=not args.shrink, optim="adamw_torch" if args.shrink else "adamw_torch_fused", logging_steps=1,
                   save_strategy="no", report_to=[], disable_tqdm=True, seed=SEED, data_seed=SEED,
                   dataloader_num_workers=2, use_liger_kernel=args.worker.endswith("+liger"),
-                  torch_compile=args.worker.endswith("+compile"), max_length=args.seq, use_cpu=args.shrink)
+                  torch_compile=args.worker.endswith("+compile"), max_length=args.seq, use_cpu=args.shrink,
+                  gradient_checkpointing=args.ac == "full")
     if args.objective == "dpo":
         targs = trl.DPOConfig(beta=0.1, precompute_ref_log_probs=args.reference == "precompute", **common)
         trainer = trl.DPOTrainer(model=model, ref_model=ref, args=targs, train_dataset=pairs,
@@ -168,8 +169,9 @@ def run_trl(args, impl: str, model_dir: str, data: str) -> dict:
 def checks(rows: list[dict]) -> dict:
     """Per (model, objective, reference): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
     out = {}
-    for key in {(r["model"], r["objective"], r["reference"]) for r in rows}:
-        by = {r["impl"]: r for r in rows if (r["model"], r["objective"], r["reference"]) == key and "error" not in r}
+    for key in {(r["model"], r["objective"], r["reference"], r["ac"]) for r in rows}:
+        by = {r["impl"]: r for r in rows
+              if (r["model"], r["objective"], r["reference"], r["ac"]) == key and "error" not in r}
         if "ligermodels" not in by:
             continue
         ours, name, result = by["ligermodels"], "/".join(key), {}
@@ -198,6 +200,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=256)
     p.add_argument("--completion-words", type=int, default=768)
     p.add_argument("--seq", type=int, default=2048, help="the longest sequence (TRL's max_length)")
+    p.add_argument("--ac", default="full", choices=("none", "full"),
+                   help="activation checkpointing of every layer on both sides (TRL's default gradient_checkpointing "
+                        "is on: full)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--shrink", action="store_true", help="a tiny shape on the CPU (tests only; no timing claims)")
@@ -223,7 +228,7 @@ def main(argv=None) -> None:
         t0 = time.perf_counter()
         row = run_ours(args, model_dir, data) if impl == "ligermodels" else run_trl(args, impl, model_dir, data)
         row = {"impl": impl, "model": args.model, "objective": args.objective, "reference": args.reference,
-               **row, "wall_s": round(time.perf_counter() - t0, 1)}
+               "ac": args.ac, **row, "wall_s": round(time.perf_counter() - t0, 1)}
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
         print(write_row(args, row), flush=True)  # after each run: a later one may not finish
 
@@ -234,7 +239,7 @@ def write_row(args, row: dict) -> str:
     row = {**row, "command": env["command"], "commit": env["commit"]}  # a file merges the rows of several calls
     name = f"preference-{env['gpu'].replace(' ', '_')}-{env['date']}{args.tag}"
     path = os.path.join(args.results, f"{name}.json")
-    key = lambda r: (r["model"], r["objective"], r["reference"], r["impl"])  # noqa: E731
+    key = lambda r: (r["model"], r["objective"], r["reference"], r["ac"], r["impl"])  # noqa: E731
     rows = []
     if os.path.isfile(path):
         with open(path) as f:
