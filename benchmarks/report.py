@@ -26,6 +26,7 @@ TARGETS = {
     "README.md": ("headline",),
     "docs/performance.md": ("summary", "training", "lora", "step", "scale", "attention", "kernels", "flce",
                             "linear", "decode"),
+    "docs/preference.md": ("preference",),
 }
 #: Display names of the benchmark shapes (public configs, benchmarks/common.py MODELS).
 MODEL_NAMES = {"llama-1b": "Llama-3.2-1B", "qwen2-1.5b": "Qwen2-1.5B", "qwen2-7b": "Qwen2-7B",
@@ -737,13 +738,48 @@ def _newest(prefix: str, table) -> str:
     return table(d) if d else "No results committed yet."
 
 
+# ------------------------------------------------------------------------------------------ preference tuning
+_PREFERENCE_IMPLS = {"ligermodels": "`python -m ligermodels.train --objective ...`", "trl": "TRL",
+                     "trl+liger": "TRL, `use_liger_kernel=True`", "trl+compile": "TRL, `torch_compile=True`"}
+
+
+def preference_table(d: dict) -> str:
+    """bench_preference's rows: one table a (model, objective), rows by reference mode, activation checkpointing and
+    implementation; the target checks; each row's own command and commit (a file merges several calls)."""
+    s = d["settings"]
+    lines = [f"On {d['gpu']} ({_versions(d)}), {s['batch']} pairs a micro-batch of {s['prompt_words']}-word prompts "
+             f"and {s['completion_words']}-word chosen and rejected completions, {s['steps']} steps (median of the "
+             f"last {s['steps'] - s['warmup']}), fp32 master weights, bf16 compute.", ""]
+    for model, objective in sorted({(r["model"], r["objective"]) for r in d["rows"]}):
+        lines += [f"**{_name(model)}, {objective.upper()}**", "",
+                  "| reference | activation checkpointing | implementation | tokens/s | peak memory (GB) |",
+                  "|---|---|---|---|---|"]
+        rows = [r for r in d["rows"] if (r["model"], r["objective"]) == (model, objective)]
+        for r in sorted(rows, key=lambda r: (r["reference"], r["ac"], list(_PREFERENCE_IMPLS).index(r["impl"]))):
+            speed = f"{r['tokens_per_s']:,.0f}" if "error" not in r else "failed: " + r["error"].strip().splitlines()[-1]
+            memory = f"{r['peak_mem_gb']:.1f}" if "error" not in r else ""
+            reference = "a forward every step" if r["reference"] == "model" else "precomputed"
+            lines.append(f"| {reference} | {r['ac']} | {_PREFERENCE_IMPLS[r['impl']]} | {speed} | {memory} |")
+        lines.append("")
+    lines += ["Targets (ours / the fastest TRL variant run, at least 1.3; ours / TRL + Liger-Kernel's memory, at most "
+              "0.7), per setting:", ""]
+    for setting, checks in sorted(d["checks"].items()):
+        for name, c in checks.items():
+            lines.append(f"- {setting}, {name}: {c['ratio']} ({'holds' if c['holds'] else 'does not hold'}"
+                         + (f"; fastest {c['fastest']}" if "fastest" in c else "") + ")")
+    lines += ["", "Sources:", "", f"- `{d['_file']}`, commit and command per row:"]
+    for r in d["rows"]:
+        lines.append(f"  - {r['impl']}, {r['reference']}, ac {r['ac']}: `{r['command']}` at `{_commit(r['commit'])}`")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------ the files
 def blocks() -> dict[str, str]:
     """Every generated block by name."""
     return {"headline": headline(), "summary": summary(), "training": training(), "lora": lora(), "step": step(),
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
-            "decode": _newest("decode", decode_table)}
+            "decode": _newest("decode", decode_table), "preference": _newest("preference", preference_table)}
 
 
 def render(text: str, names: tuple[str, ...], generated: dict[str, str], path: str = "") -> str:

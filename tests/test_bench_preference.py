@@ -1,0 +1,33 @@
+"""benchmarks/bench_preference.py: the pairs it writes give every implementation the same tokens a step, and its
+target checks compare the right rows."""
+
+from __future__ import annotations
+
+from benchmarks.bench_preference import checks, write_inputs
+from ligermodels.train.config import TrainConfig
+from ligermodels.train.data import load_inputs
+
+
+def test_every_pair_is_prompt_completion_and_eos_tokens_long(tmp_path):
+    model_dir, data = write_inputs(str(tmp_path), "qwen2-1.5b", pairs=6, prompt_words=7, completion_words=11,
+                                   shrink=True)
+    config = TrainConfig(model=model_dir, data=data, out=str(tmp_path / "out"), objective="dpo", batch_size=2,
+                         seq_len=64, from_scratch=True, device="cpu")
+    examples = load_inputs(config).examples
+    assert len(examples) == 6
+    for e in examples:
+        assert [(len(s.ids), s.prompt_len) for s in e.sequences] == [(7 + 11 + 1, 7)] * 2
+        assert e.sequences[0].ids != e.sequences[1].ids
+
+
+def test_checks_take_the_fastest_trl_variant_and_trl_liger_memory_per_setting():
+    base = {"model": "m", "objective": "dpo", "reference": "model", "ac": "full"}
+    rows = [{**base, "impl": "ligermodels", "tokens_per_s": 130.0, "peak_mem_gb": 7.0},
+            {**base, "impl": "trl", "tokens_per_s": 90.0, "peak_mem_gb": 12.0},
+            {**base, "impl": "trl+liger", "tokens_per_s": 100.0, "peak_mem_gb": 10.0},
+            {**base, "impl": "trl+compile", "error": "failed"},
+            {**base, "ac": "none", "impl": "trl", "tokens_per_s": 1000.0, "peak_mem_gb": 1.0}]
+    out = checks(rows)["m/dpo/model/full"]
+    assert out["speed_vs_fastest_trl"]["ratio"] == 1.3 and out["speed_vs_fastest_trl"]["fastest"] == "trl+liger"
+    assert out["speed_vs_fastest_trl"]["holds"] and out["memory_vs_trl_liger"] == {"ratio": 0.7, "holds": True}
+    assert "m/dpo/model/none" not in checks(rows)  # no ligermodels row there
