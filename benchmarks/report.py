@@ -756,7 +756,8 @@ def preference_table(d: dict) -> str:
                   "|---|---|---|---|---|"]
         rows = [r for r in d["rows"] if (r["model"], r["objective"]) == (model, objective)]
         for r in sorted(rows, key=lambda r: (r["reference"], r["ac"], list(_PREFERENCE_IMPLS).index(r["impl"]))):
-            speed = f"{r['tokens_per_s']:,.0f}" if "error" not in r else "failed: " + r["error"].strip().splitlines()[-1]
+            failed = "error" in r
+            speed = "failed: " + r["error"].strip().splitlines()[-1] if failed else f"{r['tokens_per_s']:,.0f}"
             memory = f"{r['peak_mem_gb']:.1f}" if "error" not in r else ""
             reference = "a forward every step" if r["reference"] == "model" else "precomputed"
             lines.append(f"| {reference} | {r['ac']} | {_PREFERENCE_IMPLS[r['impl']]} | {speed} | {memory} |")
