@@ -34,12 +34,12 @@ datasets = pytest.importorskip("datasets")
 
 CPU = torch.device("cpu")
 PAIRS = [{"prompt": f"what is {i}+{i}?", "chosen": f"it is {2 * i}.", "rejected": f"no idea, {i * 7 % 10}"}
-         for i in range(5)]
+         for i in range(3)]
 CHAT_PAIRS = [{"prompt": [{"role": "user", "content": p["prompt"]}],
                "chosen": [{"role": "assistant", "content": p["chosen"]}],
                "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in PAIRS]
 UNPAIRED = [{"prompt": f"what is {i}+{i}?", "completion": f"it is {2 * i + i % 2}.", "label": i % 2 == 0}
-            for i in range(6)]
+            for i in range(4)]
 
 #: (our TrainConfig options, TRL trainer, TRL config options)
 CASES = {
@@ -101,7 +101,7 @@ def _ours(checkpoint: str, data: str, options: dict, out: str, n: int):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case):
     ours_options, kind, trl_options = CASES[case]
-    style, records = ("qwen2", CHAT_PAIRS) if case == "dpo-sigmoid" else ("llama3", PAIRS)
+    style, records = ("gemma", CHAT_PAIRS) if case == "dpo-sigmoid" else ("llama3", PAIRS)
     records = UNPAIRED if kind == "kto" else records
     checkpoint = _tiny_checkpoint(tmp_path, style)
     data = _write(tmp_path / "data.jsonl", records)
@@ -172,7 +172,7 @@ def _metrics(out) -> list[dict]:
 @pytest.mark.parametrize("objective", ["orpo", "simpo", "kto"])  # dpo: the runs below
 def test_the_trainer_runs_each_objective_and_logs_trl_metric_names(tmp_path, objective):
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
-    data = _write(tmp_path / "data.jsonl", (UNPAIRED if objective == "kto" else PAIRS) * 2)
+    data = _write(tmp_path / "data.jsonl", (UNPAIRED if objective == "kto" else PAIRS) * 3)
     out = tmp_path / "out"
     res = _train(["--model", checkpoint, "--data", data, "--out", str(out), "--objective", objective,
                   "--batch-size", "2", "--steps", "3", "--lr", "1e-2", "--save-every", "0"])
@@ -193,7 +193,7 @@ def test_dpo_resume_repeats_the_uninterrupted_run(tmp_path):
     """The reference log-probs are computed once, before step 1, and read back on resume: steps 3-4 of a run
     resumed at step 2 equal the uninterrupted run's, and so do the final weights."""
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
-    data = _write(tmp_path / "data.jsonl", PAIRS * 2)
+    data = _write(tmp_path / "data.jsonl", PAIRS * 3)
     common = ["--model", checkpoint, "--data", data, "--objective", "dpo", "--batch-size", "2", "--lr", "1e-2",
               "--lr-schedule", "constant", "--warmup-steps", "0"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
@@ -217,7 +217,7 @@ def test_reference_model_and_lora_base_give_the_precomputed_runs_steps(tmp_path)
     """--reference model (a frozen copy run every step) takes the same steps as --reference precompute; with LoRA
     the reference is the base with the adapters off (first step: rewards 0, as the adapters start as a no-op)."""
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
-    data = _write(tmp_path / "data.jsonl", PAIRS * 2)
+    data = _write(tmp_path / "data.jsonl", PAIRS * 3)
     common = ["--model", checkpoint, "--data", data, "--objective", "dpo", "--batch-size", "2", "--lr", "1e-2",
               "--steps", "3", "--save-every", "0"]
     runs = {}

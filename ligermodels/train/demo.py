@@ -9,18 +9,29 @@ The corpus mixes two things a small model visibly learns within a few hundred st
 The tokenizer is character level (one token per character, plus ``<pad> <unk> <s> </s>``), built
 with ``tokenizers`` and saved as ``tokenizer.json`` + ``tokenizer_config.json`` so that both
 ``tokenizers`` and transformers' ``AutoTokenizer`` load it. Everything is deterministic for a seed.
+
+With a preference objective (``--objective dpo``, ``orpo``, ``simpo``, ``kto``) the demo has two stages
+(:func:`preference_demo`): the plain demo's SFT run into ``OUT/sft``, then the preference objective on pairs made
+from the corpus's additions (the right answer chosen, a wrong one rejected: the SFT model's own where it errs),
+starting from the SFT model (for DPO and KTO also the reference), into ``OUT``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from ligermodels.model import CausalLM
+from ligermodels.train.checkpointing import check_out_dir
+from ligermodels.train.config import TrainConfig
+from ligermodels.train.preference import WITH_REFERENCE
 
 SPECIALS = ("<pad>", "<unk>", "<s>", "</s>")
 ALPHABET = " 0123456789abcdefghijklmnopqrstuvwxyz.,+=?!'-"
@@ -137,3 +148,94 @@ def print_completions(model: CausalLM, tokenizer: Tokenizer, bos: int | None, eo
     right = sum(greedy_complete(model, tokenizer, prompt, bos, eos, max_new_tokens=4) == answer
                 for prompt, answer in tests)
     print(f"additions answered right: {right}/{len(tests)}")
+
+
+# ---------------------------------------------------------------------------------------- the preference stage
+#: The preference stage's own settings, fixed: a short fp32 run (seconds on two CPU cores).
+PREFERENCE_DEMO = dict(steps=60, batch_size=32, lr=3e-5, warmup_steps=5, lr_schedule="constant", save_every=30,
+                       log_every=10, dtype="fp32")
+#: Distinct additions of the corpus that the preference examples are made of.
+PREFERENCE_PROMPTS = 512
+#: What the preference stage takes of the command line: the objective's options, and where and how it runs (every
+#: other flag describes the SFT stage, as it does the plain demo).
+PREFERENCE_FLAGS = ("objective", "beta", "dpo_loss", "label_smoothing", "simpo_gamma", "cpo_alpha",
+                    "desirable_weight", "undesirable_weight", "reference", "seed", "device", "resume", "overwrite",
+                    "report_to")
+#: The metrics whose first and last steps the demo compares (KTO logs no accuracy).
+REWARD_METRICS = ("rewards/accuracies", "rewards/margins")
+
+
+def wrong_answer(right: str, rng: random.Random) -> str:
+    """A deterministic corruption of a right answer: off by 1, 2 or 10, never negative and never right."""
+    offset = rng.choice((-10, -2, -1, 1, 2, 10))
+    value = int(right) + offset
+    return str(value if value >= 0 else int(right) - offset)
+
+
+def preference_records(corpus_file: str, model: CausalLM, tokenizer: Tokenizer, objective: str, seed: int,
+                       n: int = PREFERENCE_PROMPTS) -> tuple[list[dict], int]:
+    """Preference lines for ``objective`` from the first ``n`` distinct additions of ``corpus_file``: the prompt
+    ``"a+b="``, the right answer chosen, rejected the ``model``'s greedy answer where it is wrong (and not empty),
+    else :func:`wrong_answer` (seeded). Paired objectives: ``{"prompt", "chosen", "rejected"}``; KTO: the right
+    and the wrong completion as two lines ``{"prompt", "completion", "label"}``. Also how many rejected answers are
+    the model's own."""
+    with open(corpus_file) as f:
+        additions = {r["prompt"]: r["completion"] for r in map(json.loads, f) if "prompt" in r}  # first seen first
+    rng, bos, eos = random.Random(seed), tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    records, own = [], 0
+    for prompt, right in list(additions.items())[:n]:
+        answer = greedy_complete(model, tokenizer, prompt, bos, eos, max_new_tokens=4)
+        wrong = answer if answer.strip() and answer != right else wrong_answer(right, rng)
+        own += wrong == answer
+        if objective == "kto":
+            records += [{"prompt": prompt, "completion": right, "label": True},
+                        {"prompt": prompt, "completion": wrong, "label": False}]
+        else:
+            records.append({"prompt": prompt, "chosen": right, "rejected": wrong})
+    return records, own
+
+
+def reward_summary(metrics_file: str, k: int = 5) -> str:
+    """One line: the means of :data:`REWARD_METRICS` over the first ``k`` and the last ``k`` steps of a run."""
+    with open(metrics_file) as f:
+        steps = [json.loads(line) for line in f]
+    parts = []
+    for name in REWARD_METRICS:
+        values = [m[name] for m in steps if m.get(name) is not None]
+        if values:
+            n = min(k, len(values))
+            parts.append(f"{name} {sum(values[:n]) / n:.3f} -> {sum(values[-n:]) / n:.3f}")
+    return f"preference stage, mean of the first {k} steps -> of the last {k}: {', '.join(parts)}"
+
+
+def preference_demo(config: TrainConfig, train: Callable[[TrainConfig], str], rank: int) -> str:
+    """The demo with a preference objective: the plain demo's SFT run (``config`` with ``OUT/sft``), then
+    ``OUT/demo/pairs.jsonl`` from its corpus and model (:func:`preference_records`), then the objective on them
+    from the SFT model, the reference, into ``OUT`` (:data:`PREFERENCE_DEMO`); prints the final model's completions
+    and the reward accuracy of the first and the last steps. ``train`` runs a stage (in the caller's process
+    group); returns ``OUT/final``."""
+    sft_out, pairs = os.path.join(config.out, "sft"), os.path.join(config.out, "demo", "pairs.jsonl")
+    sft = dataclasses.replace(config, out=sft_out, objective="sft", label_smoothing=0.0)
+    stage = TrainConfig(model=os.path.join(sft_out, "merged" if config.lora_rank else "final"), data=pairs,
+                        out=config.out, **PREFERENCE_DEMO, **{k: getattr(config, k) for k in PREFERENCE_FLAGS})
+    check_out_dir(stage)  # a run already in OUT stops the demo now, not after the SFT stage
+    train(sft)
+    if rank == 0:
+        model = CausalLM.from_hf(stage.model, dtype=torch.float32)
+        tokenizer = Tokenizer.from_file(os.path.join(stage.model, "tokenizer.json"))
+        records, own = preference_records(sft.data_file, model, tokenizer, config.objective, config.seed)
+        os.makedirs(os.path.dirname(pairs), exist_ok=True)
+        with open(pairs, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        reference = ", also the reference" if config.objective in WITH_REFERENCE else ""
+        print(f"preference stage: {len(records)} {config.objective} examples in {pairs} (the wrong answer is the "
+              f"SFT model's own for {own} of {len(records) // (2 if config.objective == 'kto' else 1)} prompts, a "
+              f"corrupted right one for the others); from {stage.model}{reference}")
+    dist.barrier()
+    final = train(stage)
+    if rank == 0:
+        model, tokenizer = CausalLM.from_hf(final, dtype=torch.float32), Tokenizer.from_file(
+            os.path.join(final, "tokenizer.json"))
+        print_completions(model, tokenizer, tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>"))
+        print(reward_summary(os.path.join(config.out, "metrics.jsonl")))
+    return final

@@ -89,7 +89,10 @@ def train(config: TrainConfig) -> str:
     made_group = not dist.is_initialized()
     rank, world, device = setup_distributed(config.device)
     try:
-        final = _run(config, rank, world, device)
+        if config.demo and config.objective != "sft":  # two stages, each a run in this group: see demo.py
+            final = demo.preference_demo(config, train, rank)
+        else:
+            final = _run(config, rank, world, device)
         dist.barrier()  # no rank tears the group down while another still works (rank 0 exports, completes)
         return final
     finally:
