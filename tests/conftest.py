@@ -14,6 +14,7 @@ interpreter computes on their bit patterns, is made to multiply their values (se
 import os
 
 import numpy as np
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -50,3 +51,21 @@ if not torch.cuda.is_available():
 
     if _dot is not None:
         _builder.create_dot = _create_dot_bf16
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch):
+    """The PyTorch references of the kernels on the CPU, here and in child processes (the Triton interpreter
+    the other tests run is slow; for tests that check something other than the kernels). Every kernels module is
+    imported first, so none reads its import-time INTERPRET from the changed environment and keeps it
+    after this test."""
+    import importlib
+    import pkgutil
+
+    import kernels
+
+    modules = [importlib.import_module(f"kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for module in [kernels, *modules]:
+        if hasattr(module, "INTERPRET"):
+            monkeypatch.setattr(module, "INTERPRET", False)

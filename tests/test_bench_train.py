@@ -227,24 +227,6 @@ def test_the_base_is_bf16_and_reused(tiny, monkeypatch):
     assert bt.ensure_base(tiny["work"], "tiny", 60) == tiny["base"]
 
 
-@pytest.fixture
-def reference_kernels(monkeypatch):
-    """The PyTorch references of the kernels on the CPU, here and in child processes (the Triton interpreter
-    the other tests run is slow; the kernels are not what these tests check). Every kernels module is
-    imported first, so none reads its import-time INTERPRET from the changed environment and keeps it
-    after this test."""
-    import importlib
-    import pkgutil
-
-    import kernels
-
-    modules = [importlib.import_module(f"kernels.{m.name}") for m in pkgutil.iter_modules(kernels.__path__)]
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for module in [kernels, *modules]:
-        if hasattr(module, "INTERPRET"):
-            monkeypatch.setattr(module, "INTERPRET", False)
-
-
 def test_cli_lora_run_on_the_base_and_the_in_process_step_agree(tiny, reference_kernels):
     """The CLI as the bench runs it (no --from-scratch: the base is loaded), then LigermodelsTries on the same
     flags: its steps are the loop's (the same losses), and an out-of-memory try is survived."""

@@ -5,7 +5,8 @@ TRL's trainers are built on the transformers twin of our checkpoint and give ``c
 batch of all the examples (one micro-batch); ours is :class:`PreferenceTask` on a micro-batch of the same examples.
 The reference log-probs are given to both sides as the same numbers (TRL's precomputed-reference mode reads them from
 the batch): they come from a perturbed copy of the model, so the rewards are not zero. Our reference pass itself is
-compared with transformers' float64 log-softmax of the same sequences.
+compared with transformers' float64 log-softmax of the same sequences. These run the kernels' PyTorch references on
+the CPU (the Triton path of the log-probs is checked against float64 in tests/test_logprobs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 from ligermodels import CausalLM
 from ligermodels.hf_io import hf_tensors
-from ligermodels.train.config import TrainConfig, parse_args
+from ligermodels.train.checkpointing import load_reference_logps
+from ligermodels.train.config import TrainConfig, TrainError, parse_args
 from ligermodels.train.data import load_inputs
 from ligermodels.train.objectives import PreferenceTask
 from ligermodels.train.preference import make_batch
@@ -99,7 +101,7 @@ def _ours(checkpoint: str, data: str, options: dict, out: str, n: int):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case):
+def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case, reference_kernels):
     ours_options, kind, trl_options = CASES[case]
     style, records = ("gemma", CHAT_PAIRS) if case == "dpo-sigmoid" else ("llama3", PAIRS)
     records = UNPAIRED if kind == "kto" else records
@@ -145,7 +147,7 @@ def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case):
         assert rel_err(ours_grads[name], g) <= 1e-4, (name, rel_err(ours_grads[name], g))
 
 
-def test_reference_logps_are_transformers_float64_log_softmax_of_each_sequence(tmp_path):
+def test_reference_logps_are_transformers_float64_log_softmax_of_each_sequence(tmp_path, reference_kernels):
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
     data = _write(tmp_path / "data.jsonl", PAIRS)
     task, ours = _ours(checkpoint, data, {"objective": "dpo"}, str(tmp_path / "out"), 2)
@@ -208,9 +210,14 @@ def test_dpo_resume_repeats_the_uninterrupted_run(tmp_path):
     y = CausalLM.from_hf(str(parts / "final"), dtype=torch.float32).state_dict()
     assert all(torch.equal(x[k], y[k]) for k in x)
 
+    state = json.loads((parts / "checkpoints" / "step_00000004" / "train_state.json").read_text())
+    n = len(PAIRS * 3)
+    assert load_reference_logps(str(parts), state, n).shape == (n, 2)  # the file a resume reads, checked by data
+    with pytest.raises(TrainError, match="was computed for other data"):
+        load_reference_logps(str(parts), {**state, "data_sha256": "0" * 64}, n)
     (parts / "reference_logps.safetensors").unlink()
-    res = _train([*common, "--out", str(parts), "--steps", "4", "--save-every", "2", "--resume"])
-    assert res.returncode == 2 and "reference_logps.safetensors is missing" in res.stderr
+    with pytest.raises(TrainError, match="reference_logps.safetensors is missing"):
+        load_reference_logps(str(parts), state, n)
 
 
 def test_reference_model_and_lora_base_give_the_precomputed_runs_steps(tmp_path):
