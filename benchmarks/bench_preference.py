@@ -113,7 +113,7 @@ def trl_worker(args) -> dict:
 
     model = random_model()
     ref = random_model() if args.objective == "dpo" and args.reference == "model" else None
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
+    tokenizer = trl_tokenizer(args.model_dir)
     with open(args.data) as f:
         pairs = datasets.Dataset.from_list([json.loads(line) for line in f])
     times, losses = [], []
@@ -145,15 +145,31 @@ def trl_worker(args) -> dict:
 
         trainer = ORPOTrainer(model=model, args=ORPOConfig(beta=0.1, **common), train_dataset=pairs,
                               processing_class=tokenizer, callbacks=[Clock()])
+    # What TRL tokenised: both sequences of every pair, each prompt + completion + EOS (ORPO: BOS too)
+    per_pair = 2 * (args.prompt_words + args.completion_words + 1 + (args.objective == "orpo"))
+    lengths = {len(e["prompt_ids"]) * 2 + len(e["chosen_ids"]) + len(e["rejected_ids"]) if "prompt_ids" in e
+               else len(e["chosen_input_ids"]) + len(e["rejected_input_ids"]) for e in trainer.train_dataset}
+    if lengths != {per_pair}:
+        return {"error": f"TRL tokenised the pairs to {sorted(lengths)} tokens each, not {per_pair}"}
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     trainer.train()
     peak = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0
     step_s = [b - a for a, b in zip([start, *times], times, strict=False)]
-    # DPO: prompt + completion + EOS; ORPO puts BOS in front too
-    tokens = args.batch * 2 * (args.prompt_words + args.completion_words + 1 + (args.objective == "orpo"))
+    tokens = per_pair * args.batch
     return {**summarize(step_s, losses, peak, tokens, args.warmup), "tokens_per_step": tokens}
+
+
+def trl_tokenizer(model_dir: str):
+    """The word-level ``tokenizer.json`` as a transformers tokenizer. Not ``AutoTokenizer``: transformers 5 builds
+    the tokenizer class of config.json's ``model_type`` (Qwen2's byte-level BPE) from the vocabulary, without merges,
+    and that turns every word of these pairs into nothing."""
+    import transformers
+
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(model_dir, "tokenizer.json"),
+                                                bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                                unk_token="<unk>")
 
 
 def run_trl(args, impl: str, model_dir: str, data: str) -> dict:

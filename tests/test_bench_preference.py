@@ -3,7 +3,11 @@ target checks compare the right rows."""
 
 from __future__ import annotations
 
-from benchmarks.bench_preference import checks, write_inputs
+import json
+
+import pytest
+
+from benchmarks.bench_preference import checks, main, trl_tokenizer, write_inputs
 from ligermodels.train.config import TrainConfig
 from ligermodels.train.data import load_inputs
 
@@ -31,3 +35,17 @@ def test_checks_take_the_fastest_trl_variant_and_trl_liger_memory_per_setting():
     assert out["speed_vs_fastest_trl"]["ratio"] == 1.3 and out["speed_vs_fastest_trl"]["fastest"] == "trl+liger"
     assert out["speed_vs_fastest_trl"]["holds"] and out["memory_vs_trl_liger"] == {"ratio": 0.7, "holds": True}
     assert "m/dpo/model/none" not in checks(rows)  # no ligermodels row there
+
+
+def test_trl_side_trains_on_every_token_of_the_pairs(tmp_path):
+    """TRL's tokenised pairs have the tokens ours have (transformers' AutoTokenizer would read this tokenizer as
+    Qwen2's BPE without merges and drop every word); a worker that finds otherwise writes an error row, not a speed."""
+    pytest.importorskip("trl")
+    results = tmp_path / "results"
+    main(["--out", str(tmp_path), "--shrink", "--impls", "trl", "--steps", "2", "--warmup", "1", "--prompt-words",
+          "5", "--completion-words", "9", "--timeout", "200", "--results", str(results)])
+    (row,) = json.loads(next(results.iterdir()).read_text())["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["tokens_per_step"] == 4 * 2 * (5 + 9 + 1)
+    model_dir = tmp_path / "qwen2-1.5b" / "model"
+    assert len(trl_tokenizer(str(model_dir))("w7 w8 w9")["input_ids"]) == 3

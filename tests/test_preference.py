@@ -242,6 +242,25 @@ def test_reference_model_and_lora_base_give_the_precomputed_runs_steps(tmp_path)
     assert not (tmp_path / "lora-model" / "reference_logps.safetensors").exists()
 
 
+@pytest.mark.parametrize("reference", ["precompute", "model"])
+def test_first_bf16_dpo_step_has_the_reference_equal_to_the_policy(tmp_path, reference):
+    """In bf16 the reference log-probs are the policy's own numbers at step 1 (computed by the same bf16 forward,
+    not by the fp32 weights before they become masters): every reward is exactly 0 and the loss is log 2. On a GPU
+    this runs the Triton kernels."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3")
+    data = _write(tmp_path / "data.jsonl", PAIRS * 2)
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "ligermodels.train", "--model", checkpoint, "--data", data, "--out",
+                          str(out), "--objective", "dpo", "--reference", reference, "--batch-size", "2", "--steps",
+                          "1", "--save-every", "0", "--dtype", "bf16", "--device", device],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = _metrics(out)[0]
+    assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0, first
+    assert abs(first["loss"] - 0.6931471805599453) <= 1e-6, first
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--objective", "orpo", "--label-smoothing", "0.1"], "--label-smoothing applies to"),
     (["--objective", "dpo", "--attention", "causal"], "needs --attention documents"),

@@ -133,14 +133,14 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
         remove_previous_run(config)
     if config.objective in WITH_REFERENCE and config.reference == "model":  # LoRA: the base, adapters off
         task.reference_model = None if config.lora_rank else build_model(inputs, config, rank, world, device, True)
-    elif config.objective in WITH_REFERENCE:  # the initial model's (LoRA: the base's) log-probs, once
-        if resume_state is not None:
+    optimizer = build_optimizer(model, config, world)  # one bf16 rank: the weights are bf16 from here on
+    if config.objective in WITH_REFERENCE and config.reference == "precompute":  # the initial policy's, once
+        if resume_state is not None:  # (after the cast above: step 1 has the reference equal to the policy)
             task.reference_logps = load_reference_logps(config.out, fingerprint, len(inputs.examples))
         else:
             task.reference_logps = task.compute_reference_logps(model, rank, world, device)
             if rank == 0:
                 save_reference_logps(config.out, task.reference_logps, fingerprint)
-    optimizer = build_optimizer(model, config, world)
     schedule = partial(lr_factor, schedule=config.lr_schedule, warmup=config.warmup_steps, steps=config.steps,
                        min_ratio=config.min_lr_ratio)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: schedule(i))
