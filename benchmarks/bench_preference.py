@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -242,7 +243,10 @@ def main(argv=None) -> None:
                                    args.completion_words, args.shrink)
     for impl in args.impls:
         t0 = time.perf_counter()
-        row = run_ours(args, model_dir, data) if impl == "ligermodels" else run_trl(args, impl, model_dir, data)
+        try:
+            row = run_ours(args, model_dir, data) if impl == "ligermodels" else run_trl(args, impl, model_dir, data)
+        except subprocess.TimeoutExpired:
+            row = {"error": f"did not finish {args.steps} steps within --timeout {args.timeout:g} s"}
         row = {"impl": impl, "model": args.model, "objective": args.objective, "reference": args.reference,
                "ac": args.ac, **row, "wall_s": round(time.perf_counter() - t0, 1)}
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
