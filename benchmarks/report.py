@@ -759,7 +759,8 @@ def preference_table(d: dict) -> str:
             failed = "error" in r
             speed = "failed: " + r["error"].strip().splitlines()[-1] if failed else f"{r['tokens_per_s']:,.0f}"
             memory = f"{r['peak_mem_gb']:.1f}" if "error" not in r else ""
-            reference = "a forward every step" if r["reference"] == "model" else "precomputed"
+            reference = ("none" if objective not in ("dpo", "kto") else
+                         "a forward every step" if r["reference"] == "model" else "precomputed")
             lines.append(f"| {reference} | {r['ac']} | {_PREFERENCE_IMPLS[r['impl']]} | {speed} | {memory} |")
         lines.append("")
     lines += ["Targets (ours / the fastest TRL variant run, at least 1.3; ours / TRL + Liger-Kernel's memory, at most "

@@ -117,7 +117,10 @@ def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case, refere
         task.reference_logps = task.compute_reference_logps(ours, 0, 1, CPU)
         task.reference_model = None
     counts = task.counts(list(range(n)), 1, CPU)
+    reference_passes = []
+    task.reference_forward = lambda *a: reference_passes.append(a)  # DPO, KTO: precomputed; ORPO, SimPO: none
     stats = task.forward_backward(ours, make_batch(task.examples, list(range(n))), counts, 1, CPU)
+    assert not reference_passes
     our_metrics = task.metrics(stats[1:].tolist(), counts)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)

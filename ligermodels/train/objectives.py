@@ -26,7 +26,7 @@ from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig
 from ligermodels.train.data import count_loss_tokens
 from ligermodels.train.parallelize import loss_strategy
-from ligermodels.train.preference import ExampleStream, PackedSequences, PreferenceBatch, make_batch
+from ligermodels.train.preference import WITH_REFERENCE, ExampleStream, PackedSequences, PreferenceBatch, make_batch
 
 
 def sft_loss(model: CausalLM, config: TrainConfig, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -252,7 +252,8 @@ class PreferenceTask:
         c, p = self.config, len(batch.index)
         ref = (to_device(self.reference_logps[batch.index], device) if self.reference_logps is not None else None)
         batch = batch.to(device)  # every tensor copied once, queued without a host sync
-        ref = ref if ref is not None else self.reference_forward(model, batch)
+        if ref is None and c.objective in WITH_REFERENCE:  # ORPO and SimPO have no reference
+            ref = self.reference_forward(model, batch)
         tok, logps = self.sequence_logps(model, batch.rows)
         if c.objective == "kto":
             with torch.no_grad():
