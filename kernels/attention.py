@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import INTERPRET, LIB, check_same_device, compute_dtype, unit_last, use_triton
+from kernels._common import INTERPRET, LIB, check_same_device, compute_dtype, eager_op, unit_last, use_triton
 
 _LOG2E = 1.4426950408889634
 
@@ -401,6 +401,7 @@ def _bhs(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+@eager_op
 @triton_op(f"{LIB}::doc_attention_fwd", mutates_args={})
 def _doc_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor, window: int,
                        scale: float, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,6 +421,7 @@ def _doc_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts
     return o, lse
 
 
+@eager_op
 @triton_op(f"{LIB}::doc_attention_bwd", mutates_args={})
 def _doc_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                        lse: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, window: int, scale: float,

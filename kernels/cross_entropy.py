@@ -89,6 +89,7 @@ from kernels._common import (
     LIB,
     check_floating,
     compute_dtype,
+    eager_op,
     n_rows,
     row_block,
     row_warps,
@@ -347,6 +348,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+@eager_op
 @triton_op(f"{LIB}::cross_entropy_fwd", mutates_args={})
 def _ce_fwd(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
             lse_square_scale: float, softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,6 +363,7 @@ def _ce_fwd(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label
     return loss, lse
 
 
+@eager_op
 @triton_op(f"{LIB}::cross_entropy_bwd", mutates_args={})
 def _ce_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, ignore_index: int,
             label_smoothing: float, lse_square_scale: float, softcap: float) -> torch.Tensor:
@@ -373,6 +376,7 @@ def _ce_bwd(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad:
     return dx
 
 
+@eager_op
 @triton_op(f"{LIB}::scale_cast", mutates_args={})
 def _scale_cast(src: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(src * g).to(dtype)`` for a contiguous ``src`` and a 0-dim ``g``, in one pass, math in fp32."""
@@ -606,6 +610,7 @@ def _placeholder_outputs(hidden, weight, target, lse_given, want_h, want_w, want
             hidden.new_empty(v if want_b else 0, **f32))
 
 
+@eager_op
 @torch.library.custom_op(f"{LIB}::flce_fwd", mutates_args=())
 def _flce_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
               scale: torch.Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float,
@@ -622,6 +627,7 @@ def _(hidden, weight, bias, target, scale, ignore_index, label_smoothing, lse_sq
     return _placeholder_outputs(hidden, weight, target, False, want_h, want_w, want_b)
 
 
+@eager_op
 @torch.library.custom_op(f"{LIB}::flce_bwd", mutates_args=())
 def _flce_bwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
               lse: torch.Tensor, grad: torch.Tensor, ignore_index: int, label_smoothing: float,
@@ -687,6 +693,7 @@ def _vocab_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return loss, lse
 
 
+@eager_op
 @torch.library.custom_op(f"{LIB}::flce_vocab_fwd", mutates_args=())
 def _flce_vocab_fwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                     ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float
@@ -744,6 +751,7 @@ def _vocab_backward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return dh, dw, db
 
 
+@eager_op
 @torch.library.custom_op(f"{LIB}::flce_vocab_bwd", mutates_args=())
 def _flce_vocab_bwd(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                     lse: torch.Tensor, grad: torch.Tensor, ignore_index: int, label_smoothing: float,

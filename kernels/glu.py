@@ -42,6 +42,7 @@ from kernels._common import (
     check_floating,
     check_same_device,
     compute_dtype,
+    eager_op,
     n_rows,
     row_block,
     use_triton,
@@ -178,6 +179,7 @@ def _operands(gate: torch.Tensor, up: torch.Tensor | None, *more: torch.Tensor
     return g2, as_rows(up), 0, g2.shape[0], g2.shape[1], [as_rows(t) for t in more]
 
 
+@eager_op
 @triton_op(f"{LIB}::glu_fwd", mutates_args={})
 def _glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
     """glu(gate, up) (..., I); ``up`` None: ``gate`` is packed (..., 2*I)."""
@@ -212,6 +214,7 @@ def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None,
     return buf
 
 
+@eager_op
 @triton_op(f"{LIB}::glu_bwd", mutates_args={})
 def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
     """Gradients of gate and up: one (rows, 2*I) buffer when ``up`` is None (packed), else (2, ...), each half
@@ -219,6 +222,7 @@ def _glu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, ac
     return _launch_bwd(dout, gate, up, act, None)
 
 
+@eager_op
 @triton_op(f"{LIB}::glu_bwd_recompute", mutates_args={})
 def _glu_bwd_recompute(dout: torch.Tensor, x: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed (rows, 2*I) gradient of the packed ``x``, the forward output glu(x) recomputed (..., I))."""

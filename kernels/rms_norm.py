@@ -61,6 +61,7 @@ from kernels._common import (
     check_floating,
     check_same_device,
     compute_dtype,
+    eager_op,
     row_block,
     row_warps,
     use_triton,
@@ -257,6 +258,7 @@ def _launch_fwd(x2, r2, weight, y2, h2, rstd, eps: float, offset: float, casting
 
 
 # ------------------------------------------------------------------------------------ custom ops
+@eager_op
 @triton_op(f"{LIB}::rms_norm_fwd", mutates_args={})
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                   casting: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +273,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: flo
     return y, rstd
 
 
+@eager_op
 @triton_op(f"{LIB}::fused_add_rms_norm_fwd", mutates_args={})
 def _fused_add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                             offset: float, casting: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,6 +289,7 @@ def _fused_add_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor, weight: tor
     return y, h, rstd
 
 
+@eager_op
 @torch.library.custom_op(f"{LIB}::rms_norm_bwd", mutates_args=())
 def _rms_norm_bwd(dy: torch.Tensor, dh: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   offset: float, has_dh: bool) -> tuple[torch.Tensor, torch.Tensor]:

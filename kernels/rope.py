@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import LIB, check_same_device, compute_dtype, unit_last, use_triton
+from kernels._common import LIB, check_same_device, compute_dtype, eager_op, unit_last, use_triton
 from kernels.rms_norm import _dw_tiling, _rms_norm_dw_kernel, rms_norm_reference
 
 #: Elements per half-tile of one program (16 heads x 64 at head_dim 128), and warps. Measured on an
@@ -677,6 +677,7 @@ def _split_heads(qkv: torch.Tensor, n_q: int, n_kv: int) -> tuple[torch.Tensor, 
     return heads[:, :, :n_q], heads[:, :, n_q:n_q + n_kv], heads[:, :, n_q + n_kv:]
 
 
+@eager_op
 @triton_op(f"{LIB}::rope_fwd", mutates_args={})
 def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -684,6 +685,7 @@ def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return _rotate_new(q, k, cos, sin, False, interleaved)
 
 
+@eager_op
 @triton_op(f"{LIB}::rope_bwd", mutates_args={})
 def _rope_bwd(dq_rot: torch.Tensor, dk_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -691,6 +693,7 @@ def _rope_bwd(dq_rot: torch.Tensor, dk_rot: torch.Tensor, cos: torch.Tensor, sin
     return _rotate_new(dq_rot, dk_rot, cos, sin, True, interleaved)
 
 
+@eager_op
 @triton_op(f"{LIB}::rope_qkv_", mutates_args={"qkv"})
 def _rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
                interleaved: bool = False, backward: bool = False) -> None:
@@ -700,6 +703,7 @@ def _rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int
     _launch(q, k, unit_last(cos), unit_last(sin), q, k, backward, interleaved, copy_rest=False)
 
 
+@eager_op
 @triton_op(f"{LIB}::rope_qkv_bwd", mutates_args={})
 def _rope_qkv_bwd(dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int,
                   interleaved: bool = False) -> torch.Tensor:
@@ -712,6 +716,7 @@ def _rope_qkv_bwd(dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q:
     return out
 
 
+@eager_op
 @triton_op(f"{LIB}::qk_norm_rope_qkv_", mutates_args={"qkv"})
 def _qk_norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, n_q: int, n_kv: int, eps: float, offset: float, casting: int,
@@ -781,6 +786,7 @@ def _norm_bwd_launch(dqkv: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, rs
     return dw
 
 
+@eager_op
 @triton_op(f"{LIB}::qk_norm_rope_qkv_bwd", mutates_args={})
 def _qk_norm_rope_qkv_bwd(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
@@ -791,6 +797,7 @@ def _qk_norm_rope_qkv_bwd(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor
     return out, _norm_bwd_launch(dqkv, out, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved)
 
 
+@eager_op
 @triton_op(f"{LIB}::qk_norm_rope_qkv_bwd_", mutates_args={"dqkv"})
 def _qk_norm_rope_qkv_bwd_(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
                            sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
