@@ -247,8 +247,8 @@ def test_reference_model_and_lora_base_give_the_precomputed_runs_steps(tmp_path)
 
 @pytest.mark.parametrize("reference", ["precompute", "model"])
 def test_first_bf16_dpo_step_has_the_reference_equal_to_the_policy(tmp_path, reference):
-    """In bf16 the reference log-probs are the policy's own numbers at step 1 (computed by the same bf16 forward,
-    not by the fp32 weights before they become masters): every reward is exactly 0 and the loss is log 2. On a GPU
+    """In bf16 the reference log-probs are computed by the step's own bf16 forward (not by the fp32 weights before
+    they become masters): on this tiny model every first-step reward is exactly 0 and the loss is log 2. On a GPU
     this runs the Triton kernels."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
