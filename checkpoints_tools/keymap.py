@@ -3,7 +3,8 @@
 A map is a table from a native name template to the HF name templates it is made of, with
 ``{i}`` standing for the layer index. A native tensor with several HF parts is their
 concatenation along dim 0 in the listed order (q, k, v -> the fused qkv projection; gate, up ->
-the fused gate_up projection). The inverse (native -> HF parts, for saving) is derived from the
+the fused gate_up projection); a 3-D native tensor (a mixture-of-experts layer's stacked experts) is that
+concatenation viewed as (experts, rows, columns). The inverse (native -> HF parts, for saving) is derived from the
 same table and the part sizes the caller gives; nothing is written twice.
 
 A map works on names and plain sizes only: the model's config is read by ``ligermodels``, which passes
@@ -67,6 +68,25 @@ GLM4 = {
 }
 
 
+# Mixture-of-experts layers: the router, and each expert's projections stacked into (E, 2I, H) and (E, H, I)
+# tensors; ``{e}`` in a part stands for the expert index, and the parts repeat for every expert in order.
+_Q3M = f"{_L}.mlp"
+QWEN3_MOE = {
+    **QWEN3,
+    "layers.{i}.mlp.router.weight": (f"{_Q3M}.gate.weight",),
+    "layers.{i}.mlp.experts_gate_up": (f"{_Q3M}.experts.{{e}}.gate_proj.weight",
+                                       f"{_Q3M}.experts.{{e}}.up_proj.weight"),
+    "layers.{i}.mlp.experts_down": (f"{_Q3M}.experts.{{e}}.down_proj.weight",),
+}
+_MIX = f"{_L}.block_sparse_moe"
+MIXTRAL = {
+    **STANDARD,
+    "layers.{i}.mlp.router.weight": (f"{_MIX}.gate.weight",),
+    "layers.{i}.mlp.experts_gate_up": (f"{_MIX}.experts.{{e}}.w1.weight", f"{_MIX}.experts.{{e}}.w3.weight"),
+    "layers.{i}.mlp.experts_down": (f"{_MIX}.experts.{{e}}.w2.weight",),
+}
+
+
 def _prefixed(table: dict[str, tuple[str, ...]], model: str, head: str) -> dict[str, tuple[str, ...]]:
     """``table`` with ``model.`` replaced by ``model`` and ``lm_head.`` by ``head`` (a tower of a larger model)."""
     def rename(name: str) -> str:
@@ -80,23 +100,25 @@ def _prefixed(table: dict[str, tuple[str, ...]], model: str, head: str) -> dict[
 GEMMA3_MULTIMODAL = _prefixed(GEMMA3, "language_model.model.", "language_model.lm_head.")
 
 KEYMAPS = {"standard": STANDARD, "phi3": PHI3, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3, "glm4": GLM4,
-           "gemma3_multimodal": GEMMA3_MULTIMODAL}
+           "gemma3_multimodal": GEMMA3_MULTIMODAL, "qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
 
 #: The native modules whose weights fuse several HF tensors; the caller gives each one's part sizes along dim 0
 #: (``attn.qkv``: [q, k, v] rows; ``mlp.gate_up``: [gate, up] rows).
-FUSED_MODULES = ("attn.qkv", "mlp.gate_up")
+FUSED_MODULES = ("attn.qkv", "mlp.gate_up", "mlp.experts_gate_up", "mlp.experts_down")
 
 #: HF tensors that carry no parameters (recomputed buffers) and are skipped when present.
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def expand(table: dict[str, tuple[str, ...]], num_layers: int) -> dict[str, tuple[str, ...]]:
-    """Concrete native name -> HF names, with ``{i}`` expanded over the layers."""
+def expand(table: dict[str, tuple[str, ...]], num_layers: int, num_experts: int = 0) -> dict[str, tuple[str, ...]]:
+    """Concrete native name -> HF names, with ``{i}`` expanded over the layers and parts holding ``{e}`` repeated
+    for each of ``num_experts`` experts (all of an expert's parts, then the next expert's)."""
     out = {}
     for native, parts in table.items():
         layers = range(num_layers) if "{i}" in native else [None]
+        experts = range(num_experts) if any("{e}" in p for p in parts) else [None]
         for i in layers:
-            out[native.format(i=i)] = tuple(p.format(i=i) for p in parts)
+            out[native.format(i=i)] = tuple(p.format(i=i, e=e) for e in experts for p in parts)
     return out
 
 
@@ -106,14 +128,15 @@ def part_sizes(native: str, fused: Mapping[str, Sequence[int]], n_parts: int, to
     if n_parts == 1:
         return [total]
     for module in FUSED_MODULES:
-        if f".{module}." in native and module in fused:
+        if (f".{module}." in native or native.endswith(f".{module}")) and module in fused:
             return list(fused[module])
     raise KeyError(f"no part sizes known for fused tensor {native}")
 
 
-def native_to_hf(native_names: list[str], num_layers: int, keymap: str) -> dict[str, tuple[str, ...]]:
+def native_to_hf(native_names: list[str], num_layers: int, keymap: str, num_experts: int = 0
+                 ) -> dict[str, tuple[str, ...]]:
     """For the model's own parameter names, the HF names each is made of (inverse of loading)."""
-    table = expand(KEYMAPS[keymap], num_layers)
+    table = expand(KEYMAPS[keymap], num_layers, num_experts)
     missing = [n for n in native_names if n not in table]
     if missing:
         raise KeyError(f"no checkpoint key mapping for native parameter(s) {missing[:5]}")

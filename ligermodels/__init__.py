@@ -15,7 +15,7 @@ from ligermodels.dependencies import require_runtime_dependencies
 require_runtime_dependencies()  # names a missing package before torch or triton is imported
 
 from ligermodels.attention import AttentionMask, Documents, causal_attention
-from ligermodels.blocks import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from ligermodels.blocks import MLP, Attention, DecoderLayer, MoE, RMSNorm, RotaryEmbedding
 from ligermodels.config import DecoderConfig
 from ligermodels.families import (
     FAMILIES,
@@ -26,9 +26,11 @@ from ligermodels.families import (
     LigerGlm4,
     LigerLlama,
     LigerMistral,
+    LigerMixtral,
     LigerPhi3,
     LigerQwen2,
     LigerQwen3,
+    LigerQwen3Moe,
     UnsupportedConfigError,
     config_from_hf,
     config_to_hf,
@@ -39,9 +41,11 @@ from ligermodels.rope import RopeConfig
 from ligermodels.tokenizer import load_tokenizer
 
 __all__ = [
-    "AttentionMask", "Documents", "causal_attention", "MLP", "Attention", "DecoderLayer", "RMSNorm", "RotaryEmbedding",
+    "AttentionMask", "Documents", "causal_attention", "MLP", "MoE", "Attention", "DecoderLayer", "RMSNorm",
+    "RotaryEmbedding",
     "DecoderConfig", "CUDAGraphStep", "FAMILIES", "AutoLigerModel", "LigerGemma", "LigerLlama", "LigerMistral",
     "LigerPhi3", "LigerQwen2", "LigerQwen3", "LigerGemma2", "LigerGemma3", "LigerGlm4",
+    "LigerQwen3Moe", "LigerMixtral",
     "UnsupportedConfigError", "config_from_hf", "config_to_hf", "CausalLM",
     "document_ids_from_positions", "RopeConfig", "KVCache", "generate", "sample_next", "load_tokenizer",
 ]

@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels import apply_qk_norm_rope_qkv_, apply_rope_qkv_, fused_add_rms_norm, glu_linear, rms_norm, rms_norm_linear
+from kernels import (
+    apply_qk_norm_rope_qkv_,
+    apply_rope_qkv_,
+    fused_add_rms_norm,
+    glu_linear,
+    moe_mlp_reference,
+    rms_norm,
+    rms_norm_linear,
+)
 from ligermodels.attention import AttentionMask, causal_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.rope import RopeConfig, inv_freq, rope_cos_sin
@@ -183,6 +191,32 @@ class MLP(nn.Module):
                           low_rank_of(self.down))
 
 
+class MoE(nn.Module):
+    """Mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks ``experts_per_token`` of ``num_experts`` gated
+    MLPs per token and their outputs are summed with the routing weights (:mod:`kernels.moe`).
+
+    Parameters: ``router.weight`` (E, H); ``experts_gate_up`` (E, 2*I, H), each expert's gate rows then its up
+    rows; ``experts_down`` (E, H, I). ``forward(x)`` (B, S, H) -> (B, S, H) keeps the router logits (B*S, E) of
+    the last call in ``router_logits``, for the load-balancing loss (:meth:`CausalLM.router_aux_loss`)."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        c = config
+        if c.mlp_bias:
+            raise ValueError("the mixture-of-experts MLP has no biases (mlp_bias)")
+        self.activation, self.top_k, self.norm_topk = c.activation, c.experts_per_token, c.norm_topk_prob
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.moe_intermediate_size))
+        self.router_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.router_logits = moe_mlp_reference(x.reshape(-1, x.shape[-1]), self.router.weight,
+                                                    self.experts_gate_up, self.experts_down, self.top_k,
+                                                    self.norm_topk, self.activation)
+        return out.view(x.shape)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: attention then MLP, each behind an RMSNorm on the residual stream.
 
@@ -201,7 +235,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = RMSNorm(c.hidden_size, **norm)
         self.attn = Attention(c, window=c.layer_windows[layer_idx])
         self.mlp_norm = RMSNorm(c.hidden_size, **norm)
-        self.mlp = MLP(c)
+        self.mlp = MoE(c) if c.sparse_layer(layer_idx) else MLP(c)
         self.post_attn_norm = RMSNorm(c.hidden_size, **norm) if c.post_norms else None
         self.post_mlp_norm = RMSNorm(c.hidden_size, **norm) if c.post_norms else None
 
@@ -215,8 +249,12 @@ class DecoderLayer(nn.Module):
         a = self.attn.attend(qkv, cos, sin, mask, cache)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
-        gate_up, residual = self.mlp_norm.project(self.mlp.gate_up, a, residual)
-        out = self.mlp.glu_down(gate_up)
+        if isinstance(self.mlp, MoE):
+            h, residual = self.mlp_norm(a, residual)
+            out = self.mlp(h)
+        else:
+            gate_up, residual = self.mlp_norm.project(self.mlp.gate_up, a, residual)
+            out = self.mlp.glu_down(gate_up)
         if self.post_mlp_norm is not None:
             out = self.post_mlp_norm(out)
         return out, residual
@@ -225,6 +263,9 @@ class DecoderLayer(nn.Module):
 def init_linear_(module: nn.Module, std: float) -> None:
     """Normal(0, std) weights and zero biases for every Linear/Embedding; norms to their identity."""
     for m in module.modules():
+        if isinstance(m, MoE):
+            nn.init.normal_(m.experts_gate_up, std=std)
+            nn.init.normal_(m.experts_down, std=std)
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=std)
             if getattr(m, "bias", None) is not None:
@@ -236,4 +277,4 @@ def init_linear_(module: nn.Module, std: float) -> None:
             m.reset_parameters()
 
 
-__all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "AttentionMask"]
+__all__ = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "MoE", "DecoderLayer", "AttentionMask"]

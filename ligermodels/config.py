@@ -44,6 +44,15 @@ class DecoderConfig:
             rotate-half (i, i + R/2). Partial rotary is ``rope.partial_rotary_factor``.
         local_rope: rotary parameters of the layers with a window (Gemma 3's sliding layers); None means ``rope``
             on every layer.
+        num_experts: experts of each sparse layer's mixture-of-experts MLP (:class:`ligermodels.blocks.MoE`); 0 for
+            a dense model.
+        experts_per_token: experts each token is routed to (top-k).
+        moe_intermediate_size: each expert's intermediate size (default ``intermediate_size``).
+        norm_topk_prob: the top-k routing weights are renormalised to sum to 1.
+        dense_layers: layers with the dense MLP (of ``intermediate_size``) in a mixture-of-experts model.
+        output_router_logits: :meth:`CausalLM.loss` adds ``router_aux_loss_coef`` times the load-balancing loss,
+            as transformers does when its config says so.
+        router_aux_loss_coef: weight of that loss.
         max_position_embeddings: longest sequence the checkpoint was trained for.
         pad_token_id: the embedding's padding row, as HF's ``nn.Embedding(padding_idx=pad_token_id)``:
             it receives no gradient (and starts at zero when training from scratch); None for none.
@@ -82,6 +91,13 @@ class DecoderConfig:
     final_softcap: float | None = None
     rope_interleaved: bool = False
     local_rope: RopeConfig | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.0
     model_type: str = "llama"
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -110,6 +126,15 @@ class DecoderConfig:
             cap = getattr(self, name)
             if cap is not None and not cap > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {cap}")
+        self.dense_layers = tuple(self.dense_layers)
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise ValueError(f"experts_per_token {self.experts_per_token} must be in 1..num_experts "
+                                 f"({self.num_experts})")
+            if self.moe_intermediate_size is None:
+                self.moe_intermediate_size = self.intermediate_size
+            if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+                raise ValueError(f"dense_layers {self.dense_layers} name layers outside 0..{self.num_layers - 1}")
         if self.layer_windows is None:
             self.layer_windows = (self.sliding_window,) * self.num_layers
         self.layer_windows = tuple(self.layer_windows)
@@ -126,12 +151,21 @@ class DecoderConfig:
         """Width of the key (and of the value) projection, Hkv * D."""
         return self.num_kv_heads * self.head_dim
 
+    def sparse_layer(self, i: int) -> bool:
+        """Whether layer ``i`` has the mixture-of-experts MLP."""
+        return self.num_experts > 0 and i not in self.dense_layers
+
     @property
     def fused_part_sizes(self) -> dict[str, list[int]]:
         """Rows of each part of the fused projections, as the checkpoint key maps split them: ``attn.qkv``
-        [q, k, v], ``mlp.gate_up`` [gate, up]."""
-        return {"attn.qkv": [self.q_size, self.kv_size, self.kv_size],
-                "mlp.gate_up": [self.intermediate_size, self.intermediate_size]}
+        [q, k, v], ``mlp.gate_up`` [gate, up]; the experts' stacked weights, rows of (E * 2I, H) and (E * H, I):
+        ``mlp.experts_gate_up`` [gate, up] per expert, ``mlp.experts_down`` [down] per expert."""
+        sizes = {"attn.qkv": [self.q_size, self.kv_size, self.kv_size],
+                 "mlp.gate_up": [self.intermediate_size, self.intermediate_size]}
+        if self.num_experts:
+            sizes["mlp.experts_gate_up"] = [self.moe_intermediate_size] * (2 * self.num_experts)
+            sizes["mlp.experts_down"] = [self.hidden_size] * self.num_experts
+        return sizes
 
     def replace(self, **changes) -> DecoderConfig:
         """A copy with some fields changed (derived fields recomputed unless given)."""
@@ -139,14 +173,18 @@ class DecoderConfig:
             changes["layer_windows"] = None
         return dataclasses.replace(self, **changes)
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count (the output head counted once when tied)."""
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameter count (the output head counted once when tied); ``active``: a token's, counting the
+        ``experts_per_token`` experts it reaches in each sparse layer rather than all of them."""
         h, i = self.hidden_size, self.intermediate_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + h * self.o_bias
         mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
-        per_layer = attn + mlp + 2 * h + 2 * h * self.post_norms + 2 * self.head_dim * self.qk_norm
-        n = self.num_layers * per_layer + h
+        experts = self.experts_per_token if active else self.num_experts
+        moe = self.num_experts * h + experts * 3 * h * (self.moe_intermediate_size or 0)
+        per_layer = attn + 2 * h + 2 * h * self.post_norms + 2 * self.head_dim * self.qk_norm
+        sparse = sum(self.sparse_layer(j) for j in range(self.num_layers))
+        n = self.num_layers * per_layer + (self.num_layers - sparse) * mlp + sparse * moe + h
         if include_embedding:
             n += self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return n

@@ -73,6 +73,15 @@ HF_DEFAULTS: dict[str, dict[str, object]] = {
                    hidden_activation="gelu_pytorch_tanh", num_key_value_heads=4, head_dim=256, attention_bias=False,
                    pad_token_id=0, query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
                    attn_logit_softcapping=50.0, rope_theta=10000.0),
+    "qwen3_moe": dict(rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False, hidden_act="silu",
+                      num_key_value_heads=4, attention_bias=False, use_sliding_window=False, decoder_sparse_step=1,
+                      moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=False,
+                      output_router_logits=False, router_aux_loss_coef=0.001, mlp_only_layers=[],
+                      rope_theta=10000.0),
+    "mixtral": dict(rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=False, hidden_act="silu",
+                    num_key_value_heads=8, sliding_window=None, num_experts_per_tok=2, num_local_experts=8,
+                    output_router_logits=False, router_aux_loss_coef=0.001, router_jitter_noise=0.0,
+                    rope_theta=1_000_000.0),
     "gemma3_text": dict(rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True,
                         hidden_activation="gelu_pytorch_tanh", num_key_value_heads=4, head_dim=256,
                         attention_bias=False, pad_token_id=0, query_pre_attn_scalar=256, sliding_window=4096,
@@ -190,6 +199,35 @@ def qwen3_config(d: dict) -> DecoderConfig:
 def mistral_config(d: dict) -> DecoderConfig:
     """Mistral: sliding window on every layer (or none), explicit head_dim."""
     return _base(d, "mistral", sliding_window=d.get("sliding_window"))
+
+
+def _moe_fields(d: dict, num_experts: int, dense: tuple[int, ...]) -> dict:
+    """The DecoderConfig fields of a mixture-of-experts config.json (``num_experts`` read by the caller)."""
+    return dict(num_experts=int(num_experts), experts_per_token=int(d["num_experts_per_tok"]),
+                moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+                dense_layers=dense, output_router_logits=bool(d["output_router_logits"]),
+                router_aux_loss_coef=float(d["router_aux_loss_coef"]))
+
+
+def qwen3_moe_config(d: dict) -> DecoderConfig:
+    """Qwen3-MoE: Qwen3's attention; a mixture-of-experts MLP on the layers where ``decoder_sparse_step`` divides
+    the layer number (from 1) and ``mlp_only_layers`` does not list it, the dense MLP elsewhere; top-k weights
+    renormalised when ``norm_topk_prob``. ``num_experts`` (``num_local_experts`` as transformers 5 writes it)."""
+    _refuse_unless(d, "use_sliding_window", lambda v: not v, "sliding windows in a MoE model", "qwen3_moe")
+    n, step = d.get("num_local_experts") or d["num_experts"], int(d["decoder_sparse_step"])
+    only = set(d["mlp_only_layers"] or [])
+    dense = tuple(i for i in range(d["num_hidden_layers"]) if i in only or n == 0 or (i + 1) % step)
+    bias = bool(d["attention_bias"])
+    return _base(d, "qwen3_moe", qkv_bias=bias, o_bias=bias, qk_norm=True, norm_topk_prob=bool(d["norm_topk_prob"]),
+                 **_moe_fields(d, n, dense))
+
+
+def mixtral_config(d: dict) -> DecoderConfig:
+    """Mixtral: Mistral's attention (an optional window on every layer), a mixture-of-experts MLP on every layer
+    (``num_local_experts``, top-k weights always renormalised). Router jitter noise is refused."""
+    _refuse_unless(d, "router_jitter_noise", lambda v: float(v) == 0.0, "router jitter noise", "mixtral")
+    return _base(d, "mixtral", sliding_window=d.get("sliding_window"), norm_topk_prob=True,
+                 **_moe_fields(d, d["num_local_experts"], ()))
 
 
 def phi3_config(d: dict) -> DecoderConfig:
@@ -317,6 +355,18 @@ class LigerGemma3(CausalLM):
     model_type = "gemma3_text"
 
 
+class LigerQwen3Moe(CausalLM):
+    """Qwen3-MoE (``model_type`` "qwen3_moe")."""
+
+    model_type = "qwen3_moe"
+
+
+class LigerMixtral(CausalLM):
+    """Mixtral (``model_type`` "mixtral")."""
+
+    model_type = "mixtral"
+
+
 class LigerGlm4(CausalLM):
     """GLM-4 (``model_type`` "glm4")."""
 
@@ -374,6 +424,8 @@ FAMILIES: dict[str, Family] = {
                      # Gemma3ForConditionalGeneration never soft-caps its logits (Gemma3ForCausalLM does)
                      text_overrides=(("final_logit_softcapping", None),)),
     "glm4": Family("glm4", glm4_config, LigerGlm4, keymap="glm4"),
+    "qwen3_moe": Family("qwen3_moe", qwen3_moe_config, LigerQwen3Moe, keymap="qwen3_moe"),
+    "mixtral": Family("mixtral", mixtral_config, LigerMixtral, keymap="mixtral"),
 }
 
 
@@ -422,7 +474,16 @@ def config_to_hf(config: DecoderConfig) -> dict:
         "attention_dropout": c.attention_dropout, "pad_token_id": c.pad_token_id, **c.rope.to_hf(),
     }
     layer_types = ["full_attention" if w is None else "sliding_attention" for w in c.layer_windows]
-    if c.model_type in ("llama", "gemma", "qwen3", "gemma2", "gemma3_text", "glm4"):
+    if c.num_experts:
+        d.update(num_experts_per_tok=c.experts_per_token, moe_intermediate_size=c.moe_intermediate_size,
+                 output_router_logits=c.output_router_logits, router_aux_loss_coef=c.router_aux_loss_coef)
+    if c.model_type == "qwen3_moe":
+        d.update(num_experts=c.num_experts, norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=1,
+                 mlp_only_layers=list(c.dense_layers), use_sliding_window=False)
+    if c.model_type == "mixtral":
+        d.update(num_local_experts=c.num_experts, sliding_window=c.sliding_window)
+        del d["moe_intermediate_size"]  # Mixtral's experts are intermediate_size wide
+    if c.model_type in ("llama", "gemma", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "glm4"):
         d["attention_bias"] = c.qkv_bias
     if c.model_type == "llama":
         d["mlp_bias"] = c.mlp_bias
@@ -476,7 +537,8 @@ def _rope_parameters(r: RopeConfig) -> dict:
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
          "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "glm4": "Glm4ForCausalLM"}
+         "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "glm4": "Glm4ForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 class AutoLigerModel:

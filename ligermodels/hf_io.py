@@ -65,8 +65,9 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
 
     with torch.device("meta"):
         model = family.cls(config)
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    plan = native_to_hf(list(shapes), config.num_layers, family.keymap)
+    # each parameter as rows: a 3-D one (stacked experts) is read as its (E * rows, columns) view
+    shapes = {name: _rows_shape(p.shape) for name, p in model.named_parameters()}
+    plan = native_to_hf(list(shapes), config.num_layers, family.keymap, config.num_experts)
     with CheckpointReader(directory) as reader:
         missing = sorted({p for parts in plan.values() for p in parts if p not in reader.index})
         if missing:
@@ -95,7 +96,7 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
                 pieces.append((name, hf_name, offset, size))
                 offset += size
         model = model.to(dtype=dtype or reader.stored_dtype()).to_empty(device=device)
-        params = dict(model.named_parameters())
+        params = {name: p.view(shapes[name]) for name, p in model.named_parameters()}
         with torch.no_grad():
             for name, hf_name, offset, size in pieces:
                 params[name][offset:offset + size].copy_(reader.tensor(hf_name))
@@ -104,12 +105,17 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
     return model.eval()
 
 
+def _rows_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """A parameter's shape as the key maps see it: a 3-D (E, rows, columns) stack as (E * rows, columns)."""
+    return (shape[0] * shape[1], shape[2]) if len(shape) == 3 else tuple(shape)
+
+
 def hf_tensors(state: dict[str, torch.Tensor], config: DecoderConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs for a native state dict, splitting fused tensors back into their parts."""
     family = family_of(config.model_type)
     names = [n for n in state if not (config.tie_embeddings and n == "head.weight")]
-    for native, parts in native_to_hf(names, config.num_layers, family.keymap).items():
-        t = state[native]
+    for native, parts in native_to_hf(names, config.num_layers, family.keymap, config.num_experts).items():
+        t = state[native].reshape(_rows_shape(state[native].shape))
         sizes = part_sizes(native, config.fused_part_sizes, len(parts), t.shape[0])
         yield from zip(parts, torch.split(t, sizes, dim=0), strict=True)
 

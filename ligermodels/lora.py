@@ -339,6 +339,8 @@ def _hf_layout(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
     for i in range(config.num_layers):
         for proj in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
             native = f"layers.{i}.{proj}"
+            if not isinstance(getattr(model.layers[i].mlp, "gate_up", None), nn.Linear) and proj.startswith("mlp."):
+                continue  # a mixture-of-experts layer: no dense MLP projections
             parts = table[f"{native}.weight"]
             sizes = part_sizes(f"{native}.weight", config.fused_part_sizes, len(parts),
                                model.get_submodule(native).out_features)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused_linear_cross_entropy, fused_linear_logprobs
+from kernels import fused_linear_cross_entropy, fused_linear_logprobs, load_balancing_loss
 from ligermodels.attention import AttentionMask, Documents, document_ids_from_positions
-from ligermodels.blocks import DecoderLayer, RMSNorm, RotaryEmbedding, init_linear_
+from ligermodels.blocks import DecoderLayer, MoE, RMSNorm, RotaryEmbedding, init_linear_
 from ligermodels.config import DecoderConfig
 
 if TYPE_CHECKING:
@@ -143,8 +143,21 @@ class CausalLM(nn.Module):
         loss_options.update(ignore_index=ignore_index, num_items=num_items)
         h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
         if self.head is None:
-            return fused_linear_cross_entropy(h, self.embed.weight, target, **loss_options)
-        return self.head.loss(h, target, **loss_options)  # its own method: FSDP2 gathers it when it is a unit
+            loss = fused_linear_cross_entropy(h, self.embed.weight, target, **loss_options)
+        else:
+            loss = self.head.loss(h, target, **loss_options)  # its own method: FSDP2 gathers it when it is a unit
+        if self.config.output_router_logits and self.config.num_experts:
+            loss = loss + self.config.router_aux_loss_coef * self.router_aux_loss()
+        return loss
+
+    def router_aux_loss(self) -> torch.Tensor:
+        """The load-balancing loss (:func:`kernels.load_balancing_loss`) of the last forward's router logits over
+        every sparse layer, unweighted (transformers' ``aux_loss``); :meth:`loss` adds ``router_aux_loss_coef``
+        times it when the config's ``output_router_logits`` is set."""
+        logits = [layer.mlp.router_logits for layer in self.layers if isinstance(layer.mlp, MoE)]
+        if not logits or any(t is None for t in logits):
+            raise RuntimeError("router_aux_loss: no forward of a mixture-of-experts model has run")
+        return load_balancing_loss(logits, self.config.num_experts, self.config.experts_per_token)
 
     def token_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
                        document_ids: torch.Tensor | Documents | None = None, ignore_index: int = -100,

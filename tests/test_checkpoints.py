@@ -36,7 +36,7 @@ def _edit_tensors(path, fn):
 
 def test_unsupported_model_type_lists_the_supported_ones(ckpt):
     _edit_config(ckpt, model_type="gpt2")
-    supported = "gemma, gemma2, gemma3, gemma3_text, glm4, llama, mistral, phi3, qwen2, qwen3"
+    supported = "gemma, gemma2, gemma3, gemma3_text, glm4, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe"
     with pytest.raises(UnsupportedConfigError, match=f"'gpt2'.*{supported}"):
         load_hf(str(ckpt))
 

@@ -79,6 +79,17 @@ CASES = {
     "glm4_bias_untied": ("Glm4Config", dict(SMALL, pad_token_id=0)),
     "glm4_tied_headdim": ("Glm4Config", dict(SMALL, head_dim=24, tie_word_embeddings=True, attention_bias=False,
                                              partial_rotary_factor=0.75, pad_token_id=0)),
+    # mixture of experts: the load-balancing loss in the loss (output_router_logits), a dense layer (Qwen3-MoE's
+    # mlp_only_layers), renormalised top-k weights (Mixtral always, Qwen3-MoE when norm_topk_prob)
+    "qwen3_moe_dense_layer": ("Qwen3MoeConfig", dict(SMALL, num_hidden_layers=3, head_dim=16, num_experts=5,
+                                                     num_experts_per_tok=2, moe_intermediate_size=24,
+                                                     mlp_only_layers=[1], norm_topk_prob=True,
+                                                     output_router_logits=True, router_aux_loss_coef=0.3)),
+    "qwen3_moe_tied_unnormalised": ("Qwen3MoeConfig", dict(SMALL, head_dim=16, num_experts=4, num_experts_per_tok=3,
+                                                           moe_intermediate_size=16, tie_word_embeddings=True,
+                                                           decoder_sparse_step=2, norm_topk_prob=False)),
+    "mixtral_sliding": ("MixtralConfig", dict(SMALL, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+                                              output_router_logits=True, router_aux_loss_coef=0.3)),
 }
 
 
@@ -96,6 +107,27 @@ def make_hf_checkpoint(case: str | tuple[str, dict], directory: str, shard: bool
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(directory, max_shard_size="40KB" if shard else "5GB")
     return model.eval()
+
+
+def hub_layout(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """transformers 5's in-memory names -> the hub's: its stacked experts (``experts.gate_up_proj`` (E, 2I, H),
+    ``experts.down_proj`` (E, H, I)) as one tensor per expert and projection, as checkpoints store them."""
+    mixtral = model_type == "mixtral"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out = {}
+    for name, t in tensors.items():
+        if mixtral and ".mlp." in name:  # Mixtral's checkpoints call the block block_sparse_moe
+            name = name.replace(".mlp.", ".block_sparse_moe.")
+        if name.endswith("experts.gate_up_proj"):
+            for e, (g, u) in enumerate(zip(*t.chunk(2, dim=1), strict=True)):
+                out[f"{name[:-len('gate_up_proj')]}{e}.{gate}.weight"] = g
+                out[f"{name[:-len('gate_up_proj')]}{e}.{up}.weight"] = u
+        elif name.endswith("experts.down_proj"):
+            for e, d in enumerate(t):
+                out[f"{name[:-len('down_proj')]}{e}.{down}.weight"] = d
+        else:
+            out[name] = t
+    return out
 
 
 def _batch(vocab: int, batch: int = 2, seq: int = 12, seed: int = 1):
@@ -130,7 +162,7 @@ def test_family_matches_transformers_logits_loss_and_gradients(case, tmp_path):
     loss.backward()
 
     ours_grads = dict(hf_tensors({n: p.grad for n, p in ours.named_parameters()}, ours.config))
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    hf_grads = hub_layout({n: p.grad for n, p in hf.named_parameters()}, hf.config.model_type)
     assert set(ours_grads) == set(hf_grads)
     for name, g in hf_grads.items():
         err = rel_err(ours_grads[name], g)
@@ -181,7 +213,7 @@ def test_loaded_dtype_and_device(tmp_path):
     assert not any(p.is_meta for p in m.parameters())
 
 
-NEW_FAMILY_CASES = [c for c in CASES if c.startswith(("qwen3", "phi3_partial", "gemma2", "gemma3", "glm4"))]
+NEW_FAMILY_CASES = [c for c in CASES if c.startswith(("qwen3", "phi3_partial", "gemma2", "gemma3", "glm4", "mixtral"))]
 
 
 @pytest.mark.parametrize("case", NEW_FAMILY_CASES)
@@ -278,7 +310,8 @@ def test_gemma3_image_text_checkpoint_loads_its_language_model(tie, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["qwen3_tied_sliding_bias", "phi3_partial_rotary", "gemma2_tied_softcap_sliding",
-                                  "gemma3_tied_two_ropes", "glm4_bias_untied", "gemma3_image_text"])
+                                  "gemma3_tied_two_ropes", "glm4_bias_untied", "gemma3_image_text",
+                                  "mixtral_sliding"])
 def test_verify_command_passes_for_the_new_families(case, tmp_path):
     import subprocess
     import sys

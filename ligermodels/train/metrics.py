@@ -35,7 +35,7 @@ def flops_per_token(config: DecoderConfig, seq_len: int) -> float:
     output head counted once even when tied (its matmul runs). The second term is attention's two
     matmuls over a full ``S``-long context, as is customary (causal and document masks do less).
     """
-    n = config.num_params(include_embedding=False) + config.vocab_size * config.hidden_size
+    n = config.num_params(include_embedding=False, active=True) + config.vocab_size * config.hidden_size
     return 6 * n + 12 * config.num_layers * config.q_size * seq_len
 
 

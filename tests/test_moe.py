@@ -1,0 +1,137 @@
+"""Mixture-of-experts: kernels.moe's reference against a float64 per-token loop (output and every gradient), the
+load-balancing loss against transformers', generation against transformers, the trainer on a Qwen3-MoE checkpoint,
+and the config fields refused by name. (The families' logits, loss and gradients against transformers are in
+tests/test_models.py, cases qwen3_moe_* and mixtral_*.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.moe import load_balancing_loss, moe_mlp_reference
+from ligermodels import AutoLigerModel, UnsupportedConfigError, config_from_hf
+from tests.test_models import make_hf_checkpoint
+from tests.test_train import ENV, ROOT, TIMEOUT
+from tests.utils import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+
+def _per_token(x, router, gate_up, down, k, norm_topk):
+    """Each token alone: its k experts' SwiGLU MLPs, weighted by the softmax probabilities (renormalised)."""
+    out = []
+    for t in range(x.shape[0]):
+        probs = torch.softmax(router @ x[t], dim=-1)
+        w, e = torch.topk(probs, k)
+        if norm_topk:
+            w = w / w.sum()
+        y = 0
+        for wj, ej in zip(w, e.tolist(), strict=True):
+            g, u = (gate_up[ej] @ x[t]).chunk(2)
+            y = y + wj * (down[ej] @ (F.silu(g) * u))
+        out.append(y)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("k, norm_topk", [(2, True), (3, False), (1, True)])
+def test_moe_reference_matches_a_float64_per_token_loop_with_every_gradient(k, norm_topk):
+    g = torch.Generator().manual_seed(k)
+    t, h, i, e = 13, 24, 10, 5
+    args = [torch.randn(t, h, generator=g, dtype=torch.float64), torch.randn(e, h, generator=g, dtype=torch.float64),
+            0.3 * torch.randn(e, 2 * i, h, generator=g, dtype=torch.float64),
+            0.3 * torch.randn(e, h, i, generator=g, dtype=torch.float64)]
+    ours = [a.clone().requires_grad_() for a in args]
+    ref = [a.clone().requires_grad_() for a in args]
+    out, logits = moe_mlp_reference(*ours, k, norm_topk)
+    expected = _per_token(*ref, k, norm_topk)
+    assert out.dtype == torch.float64 and rel_err(out, expected) <= 1e-12
+    assert torch.equal(logits, args[0] @ args[1].T)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(grad)
+    expected.backward(grad)
+    for name, a, b in zip(("x", "router", "gate_up", "down"), ours, ref, strict=True):
+        if name == "router" and k == 1 and norm_topk:  # the one weight is p / p = 1: no gradient reaches the router
+            assert a.grad.abs().max() <= 1e-12 and b.grad.abs().max() <= 1e-12
+        else:
+            assert rel_err(a.grad, b.grad) <= 1e-12, name
+
+
+def test_load_balancing_loss_and_its_gradient_match_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(17, 6, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    ours = load_balancing_loss(logits, 6, 2)
+    theirs = load_balancing_loss_func(tuple(logits), 6, 2)
+    assert rel_err(ours, theirs) <= 1e-12
+    a = torch.autograd.grad(ours, logits)
+    b = torch.autograd.grad(theirs, logits)
+    assert all(rel_err(x, y) <= 1e-12 for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe_dense_layer", "mixtral_sliding"])
+def test_moe_model_generates_what_transformers_generates(case, tmp_path):
+    hf = make_hf_checkpoint(case, str(tmp_path))
+    ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    theirs = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    eos = hf.generation_config.eos_token_id  # transformers stops a row there and pads it
+    assert torch.equal(ours.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0), theirs)
+
+
+def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing(tmp_path):
+    """``python -m ligermodels.train`` on a Qwen3-MoE checkpoint whose config asks for the load-balancing loss:
+    checkpointing every layer takes the same steps, LoRA trains and exports its adapter, and the model's loss is
+    the cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss."""
+    from tests.test_chat import _checkpoint_dir
+
+    d = _checkpoint_dir(tmp_path, "llama3")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
+                                      output_router_logits=True, router_aux_loss_coef=0.5,
+                                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"what is {i}+{i}? it is {2 * i}."}) + "\n" for i in range(16)))
+    losses = {}
+    for name, extra in (("none", ["--ac", "none"]), ("full", ["--ac", "full"]),
+                        ("lora", ["--ac", "full", "--lora-rank", "4", "--lora-targets", "q,v,gate,down"])):
+        out = tmp_path / f"out-{name}"
+        res = subprocess.run([sys.executable, "-m", "ligermodels.train", "--model", d, "--data", str(data), "--out",
+                              str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--dtype", "fp32",
+                              "--device", "cpu", "--save-every", "0", "--lr", "1e-3", *extra],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses["none"] == pytest.approx(losses["full"], rel=1e-6)
+    # LoRA: the adapters start as a no-op (the first loss is the base's) and sit on the dense layer's MLP only
+    assert losses["lora"][0] == pytest.approx(losses["none"][0], rel=1e-6)
+    adapter = json.loads((tmp_path / "out-lora" / "final" / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["down_proj", "gate_proj", "q_proj", "v_proj"]
+    model = AutoLigerModel.from_hf(d, dtype=torch.float32)
+    assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.5
+    plain = type(model)(model.config.replace(output_router_logits=False))
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        total, cross_entropy = model.loss(ids, ids), plain.loss(ids, ids)
+        aux = model.router_aux_loss()
+    assert aux.item() > 0 and total.item() == pytest.approx(cross_entropy.item() + 0.5 * aux.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("model_type, field, value", [
+    ("mixtral", "router_jitter_noise", 0.01),
+    ("qwen3_moe", "use_sliding_window", True),
+])
+def test_moe_config_fields_we_do_not_implement_are_refused_by_name(model_type, field, value):
+    d = {"model_type": model_type, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, field: value}
+    with pytest.raises(UnsupportedConfigError, match=field):
+        config_from_hf(d)
