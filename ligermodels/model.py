@@ -126,7 +126,7 @@ class CausalLM(nn.Module):
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, num_items: int | torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | Documents | None = None,
-             ignore_index: int = -100, **loss_options) -> torch.Tensor:
+             ignore_index: int = -100, router_aux_scale: float = 1.0, **loss_options) -> torch.Tensor:
         """Mean next-token cross-entropy with HF's convention, without materialising logits.
 
         ``labels`` (B, S) are aligned with ``input_ids`` and shifted here: position t predicts
@@ -135,6 +135,9 @@ class CausalLM(nn.Module):
         parallelism). ``loss_options`` (label_smoothing, lse_square_scale, softcap, reduction, strategy) go
         to :func:`kernels.fused_linear_cross_entropy`; ``strategy="vocab"`` trades one more GEMM of the
         head for no fp32 (V, H) weight-gradient buffer. ``softcap`` defaults to the config's ``final_softcap``.
+        A mixture-of-experts config with ``output_router_logits`` adds ``router_aux_loss_coef`` times the
+        load-balancing loss of this forward (:meth:`router_aux_loss`), times ``router_aux_scale`` (the trainer's
+        share of one micro-batch in a step, so a step weighs the mean of its micro-batches' losses).
         """
         h = self.hidden_states(input_ids, position_ids, document_ids)
         if self.config.final_softcap is not None:
@@ -147,7 +150,7 @@ class CausalLM(nn.Module):
         else:
             loss = self.head.loss(h, target, **loss_options)  # its own method: FSDP2 gathers it when it is a unit
         if self.config.output_router_logits and self.config.num_experts:
-            loss = loss + self.config.router_aux_loss_coef * self.router_aux_loss()
+            loss = loss + router_aux_scale * self.config.router_aux_loss_coef * self.router_aux_loss()
         return loss
 
     def router_aux_loss(self) -> torch.Tensor:

@@ -124,6 +124,9 @@ def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing
         total, cross_entropy = model.loss(ids, ids), plain.loss(ids, ids)
         aux = model.router_aux_loss()
     assert aux.item() > 0 and total.item() == pytest.approx(cross_entropy.item() + 0.5 * aux.item(), rel=1e-6)
+    with torch.no_grad():  # the trainer's share of one micro-batch of several
+        quarter = model.loss(ids, ids, router_aux_scale=0.25)
+    assert quarter.item() == pytest.approx(cross_entropy.item() + 0.25 * 0.5 * aux.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("model_type, field, value", [
@@ -135,3 +138,16 @@ def test_moe_config_fields_we_do_not_implement_are_refused_by_name(model_type, f
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, field: value}
     with pytest.raises(UnsupportedConfigError, match=field):
         config_from_hf(d)
+
+
+def test_cuda_graph_refuses_a_mixture_of_experts_model_by_name():
+    from types import SimpleNamespace
+
+    from ligermodels.train.config import TrainError
+    from ligermodels.train.cuda_graph import check_cuda_graph
+
+    model = config_from_hf({"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    config = SimpleNamespace(cuda_graph=True, dtype="bf16", attention="documents")  # the flags it reads
+    with pytest.raises(TrainError, match="mixture-of-experts"):
+        check_cuda_graph(config, model, 1, torch.device("cuda"))

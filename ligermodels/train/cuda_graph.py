@@ -154,6 +154,9 @@ def check_cuda_graph(config: TrainConfig, model: DecoderConfig, world: int, devi
                          f"{world}")
     if config.dtype != "bf16":
         raise TrainError("--cuda-graph needs --dtype bf16 (the captured attention is FlashAttention's)")
+    if model.num_experts:
+        raise TrainError(f"--cuda-graph cannot capture {model.model_type}'s mixture-of-experts layers (their PyTorch "
+                         "path reads the per-expert token counts on the host); leave out --cuda-graph")
     if config.attention == "documents":
         if model.attn_softcap is not None or not flash_varlen_takes(device, torch.bfloat16, model.head_dim,
                                                                      model.attention_dropout):

@@ -30,11 +30,15 @@ from ligermodels.train.preference import WITH_REFERENCE, ExampleStream, PackedSe
 
 
 def sft_loss(model: CausalLM, config: TrainConfig, input_ids: torch.Tensor, labels: torch.Tensor,
-             positions: torch.Tensor, num_items: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+             positions: torch.Tensor, num_items: torch.Tensor, documents: Documents | None, world: int = 1
+             ) -> torch.Tensor:
     """The loss of one micro-batch (B, S) already on the device (eager, and inside ``--cuda-graph``'s capture):
-    the summed token losses over ``num_items``, with the loss head :func:`loss_strategy` picks."""
+    the summed token losses over ``num_items``, with the loss head :func:`loss_strategy` picks. A mixture-of-experts
+    model's load-balancing term (when its config asks for it) counts 1 / (micro-batches x ranks) of its weight, so
+    a step's is the mean over its micro-batches."""
     return model.loss(input_ids, labels, num_items=num_items, position_ids=positions, document_ids=documents,
-                      strategy=loss_strategy(config, model.config, input_ids.device))
+                      strategy=loss_strategy(config, model.config, input_ids.device),
+                      router_aux_scale=1.0 / (config.grad_accum * world))
 
 
 def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
@@ -45,7 +49,7 @@ def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Ten
     # the documents' bounds are found here, on the host, so attention needs no device-to-host copy
     documents = Documents.from_positions(positions).to(device) if config.attention == "documents" else None
     input_ids, labels, positions = (to_device(t, device) for t in (input_ids, labels, positions))
-    loss = sft_loss(model, config, input_ids, labels, positions, num_items, documents)
+    loss = sft_loss(model, config, input_ids, labels, positions, num_items, documents, world)
     (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
     return loss.detach()
 
