@@ -946,6 +946,10 @@ def test_resume_inputs_tell_shuffled_data_and_another_architecture_apart(checkpo
     assert fingerprint(docs[::-1], cfg)["data_sha256"] != base["data_sha256"]  # same counts, another order
     assert fingerprint(docs, cfg.replace(intermediate_size=96))["model_sha256"] != base["model_sha256"]
     assert fingerprint(docs, cfg.replace(qk_norm=True))["model_sha256"] != base["model_sha256"]
+    moe = cfg.replace(num_experts=4, experts_per_token=2)
+    assert fingerprint(docs, moe)["model_sha256"] != base["model_sha256"]
+    unnormalised = fingerprint(docs, moe.replace(norm_topk_prob=False))["model_sha256"]
+    assert unnormalised != fingerprint(docs, moe)["model_sha256"]
     # Checkpoints written before DecoderConfig grew fields keep resuming: a config without them hashes as then.
     before = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
               "head_dim", "norm_eps", "norm_offset", "norm_casting", "activation", "qkv_bias", "o_bias", "mlp_bias",

@@ -116,7 +116,9 @@ RESUME_INPUTS = {"data_sha256": "the tokenized --data (SHA-256)", "model_sha256"
 
 #: DecoderConfig fields added after checkpoints were first written: left out of the config hash while at their
 #: defaults, so the runs of models without them resume as before.
-_LATER_FIELDS = ("qk_norm", "post_norms", "attn_softcap", "final_softcap", "rope_interleaved", "local_rope")
+_LATER_FIELDS = ("qk_norm", "post_norms", "attn_softcap", "final_softcap", "rope_interleaved", "local_rope",
+                 "num_experts", "experts_per_token", "moe_intermediate_size", "norm_topk_prob", "dense_layers",
+                 "output_router_logits", "router_aux_loss_coef")
 
 
 def resume_inputs(inputs: Inputs, global_rows: int) -> dict:
