@@ -100,12 +100,34 @@ def _ours(checkpoint: str, data: str, options: dict, out: str, n: int):
     return task, model
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+def _tiny_moe_checkpoint(tmp_path, output_router_logits: bool) -> str:
+    """A Qwen3-MoE twin of :func:`_tiny_checkpoint` (a dense layer among two sparse ones, top-2 of 4 experts)."""
+    d = _checkpoint_dir(tmp_path, "llama3")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1],
+                                      norm_topk_prob=True, output_router_logits=output_router_logits,
+                                      router_aux_loss_coef=0.7, max_position_embeddings=256)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    return d
+
+
+#: Mixture-of-experts policies: TRL adds the load-balancing loss (DPO / KTO: whenever the model has experts and a
+#: coefficient; ORPO: when the config also sets output_router_logits)
+MOE_CASES = {"dpo-moe": (CASES["dpo-sigmoid"], False), "kto-moe": (CASES["kto"], False),
+             "orpo-moe": (CASES["orpo"], True)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(MOE_CASES))
 def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case, reference_kernels):
-    ours_options, kind, trl_options = CASES[case]
+    from tests.test_models import hub_layout
+
+    moe = case in MOE_CASES
+    ours_options, kind, trl_options = MOE_CASES[case][0] if moe else CASES[case]
     style, records = ("gemma", CHAT_PAIRS) if case == "dpo-sigmoid" else ("llama3", PAIRS)
     records = UNPAIRED if kind == "kto" else records
-    checkpoint = _tiny_checkpoint(tmp_path, style)
+    checkpoint = _tiny_moe_checkpoint(tmp_path, MOE_CASES[case][1]) if moe else _tiny_checkpoint(tmp_path, style)
     data = _write(tmp_path / "data.jsonl", records)
     n = len(records)
     task, ours = _ours(checkpoint, data, ours_options, str(tmp_path / "out"), n)
@@ -144,7 +166,7 @@ def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case, refere
     for name, value in our_metrics.items():
         assert abs(value - theirs[name]) <= 1e-5 * max(1.0, abs(theirs[name])), (name, value, theirs[name])
     ours_grads = dict(hf_tensors({n: p.grad for n, p in ours.named_parameters()}, ours.config))
-    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    hf_grads = hub_layout({n: p.grad for n, p in hf.named_parameters()}, hf.config.model_type)
     assert set(ours_grads) == set(hf_grads)
     for name, g in hf_grads.items():
         assert rel_err(ours_grads[name], g) <= 1e-4, (name, rel_err(ours_grads[name], g))

@@ -248,6 +248,15 @@ class PreferenceTask:
             dist.all_reduce(out)
         return out.cpu()
 
+    def router_aux(self, model: CausalLM) -> torch.Tensor | None:
+        """A mixture-of-experts policy's load-balancing loss of its last forward, where TRL 1.16 adds it: DPO and KTO
+        whenever the model has experts and ``router_aux_loss_coef`` is not 0, ORPO and SimPO (TRL's CPO trainer)
+        only when the config also sets ``output_router_logits``; else None."""
+        m = model.config
+        wanted = m.num_experts and m.router_aux_loss_coef and (
+            self.config.objective in WITH_REFERENCE or m.output_router_logits)
+        return model.router_aux_loss() if wanted else None
+
     # -- the step
     def forward_backward(self, model: CausalLM, batch: PreferenceBatch, norms: dict, world: int,
                          device: torch.device) -> torch.Tensor:
@@ -259,6 +268,7 @@ class PreferenceTask:
         if ref is None and c.objective in WITH_REFERENCE:  # ORPO and SimPO have no reference
             ref = self.reference_forward(model, batch)
         tok, logps = self.sequence_logps(model, batch.rows)
+        aux = self.router_aux(model)  # of this forward: KTO's KL pass below runs the model again
         if c.objective == "kto":
             with torch.no_grad():
                 kl = (self.sequence_logps(model, batch.kl)[1] - ref[:, 1]).mean()
@@ -285,6 +295,8 @@ class PreferenceTask:
                 nll = torch.zeros_like(nll)  # as TRL: no NLL term, and nll_loss logged as 0
             loss = losses.sum() / norms["pairs"] + (nll if c.objective == "orpo" else c.cpo_alpha * nll)
             metrics["nll_loss"] = nll.detach()
+        if aux is not None:  # each micro-batch's counted 1 / (micro-batches x ranks): a step weighs their mean
+            loss = loss + model.config.router_aux_loss_coef * aux / (c.grad_accum * world)
         (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
         sums = [metrics[name].sum() for name in self.names]
         return torch.stack([loss.detach(), *sums])
