@@ -84,10 +84,8 @@ def test_moe_model_generates_what_transformers_generates(case, tmp_path):
     assert torch.equal(ours.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0), theirs)
 
 
-def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing(tmp_path):
-    """``python -m ligermodels.train`` on a Qwen3-MoE checkpoint whose config asks for the load-balancing loss:
-    checkpointing every layer takes the same steps, LoRA trains and exports its adapter, and the model's loss is
-    the cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss."""
+def _moe_run_inputs(tmp_path):
+    """A tiny Qwen3-MoE checkpoint (with a tokenizer) whose config asks for the load-balancing loss, and data."""
     from tests.test_chat import _checkpoint_dir
 
     d = _checkpoint_dir(tmp_path, "llama3")
@@ -100,14 +98,50 @@ def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"what is {i}+{i}? it is {2 * i}."}) + "\n" for i in range(16)))
+    return d, data
+
+
+def _train(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                if nproc > 1 else [sys.executable])
+    return subprocess.run([*launcher, "-m", "ligermodels.train", *args], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+def test_two_fsdp_ranks_take_the_steps_of_one_rank_with_gradient_accumulation(tmp_path):
+    """FSDP2 shards the stacked experts as any weight, and the load-balancing term is the mean over a step's
+    micro-batches whether they are split over ranks or accumulated on one: 2 ranks x 1 micro-batch and 1 rank x 2
+    micro-batches log the same losses and end in the same weights (fp32, gloo)."""
+    from safetensors.torch import load_file
+
+    d, data = _moe_run_inputs(tmp_path)
+    outs = {}
+    for name, nproc, accum in (("one", 1, "2"), ("two", 2, "1")):
+        outs[name] = tmp_path / name
+        res = _train(["--model", d, "--data", str(data), "--out", str(outs[name]), "--steps", "3", "--batch-size",
+                      "1", "--grad-accum", accum, "--seq-len", "32", "--dtype", "fp32", "--device", "cpu",
+                      "--save-every", "0", "--lr", "1e-3"], nproc)
+        assert res.returncode == 0, res.stderr[-3000:]
+    losses = {n: [json.loads(line)["loss"] for line in (o / "metrics.jsonl").read_text().splitlines()]
+              for n, o in outs.items()}
+    assert losses["one"] == pytest.approx(losses["two"], rel=1e-5)
+    a, b = (load_file(str(o / "final" / "model.safetensors")) for o in outs.values())
+    assert set(a) == set(b) and any(".experts." in k for k in a)
+    assert all(rel_err(a[k], b[k]) <= 1e-5 for k in a)
+
+
+def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing(tmp_path):
+    """``python -m ligermodels.train`` on a Qwen3-MoE checkpoint whose config asks for the load-balancing loss:
+    checkpointing every layer takes the same steps, LoRA trains and exports its adapter, and the model's loss is
+    the cross-entropy plus ``router_aux_loss_coef`` times the load-balancing loss."""
+    d, data = _moe_run_inputs(tmp_path)
     losses = {}
     for name, extra in (("none", ["--ac", "none"]), ("full", ["--ac", "full"]),
                         ("lora", ["--ac", "full", "--lora-rank", "4", "--lora-targets", "q,v,gate,down"])):
         out = tmp_path / f"out-{name}"
-        res = subprocess.run([sys.executable, "-m", "ligermodels.train", "--model", d, "--data", str(data), "--out",
-                              str(out), "--steps", "2", "--batch-size", "2", "--seq-len", "64", "--dtype", "fp32",
-                              "--device", "cpu", "--save-every", "0", "--lr", "1e-3", *extra],
-                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+        res = _train(["--model", d, "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
+                      "--seq-len", "64", "--dtype", "fp32", "--device", "cpu", "--save-every", "0", "--lr", "1e-3",
+                      *extra])
         assert res.returncode == 0, res.stderr[-3000:]
         losses[name] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses["none"] == pytest.approx(losses["full"], rel=1e-6)
