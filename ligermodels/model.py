@@ -50,7 +50,9 @@ class CausalLM(nn.Module):
     ``layers.{i}.mlp_norm.weight``, ``layers.{i}.mlp.gate_up.weight`` (2*I, H),
     ``layers.{i}.mlp.down.weight`` (H, I); ``norm.weight`` (H,); ``head.weight`` (V, H) unless tied.
     With ``qk_norm``: ``layers.{i}.attn.q_norm.weight``, ``layers.{i}.attn.k_norm.weight`` (D,); with
-    ``post_norms``: ``layers.{i}.post_attn_norm.weight``, ``layers.{i}.post_mlp_norm.weight`` (H,).
+    ``post_norms``: ``layers.{i}.post_attn_norm.weight``, ``layers.{i}.post_mlp_norm.weight`` (H,). A
+    mixture-of-experts layer has ``layers.{i}.mlp.router.weight`` (E, H), ``layers.{i}.mlp.experts_gate_up``
+    (E, 2*I, H) and ``layers.{i}.mlp.experts_down`` (E, H, I) instead of the dense MLP's weights.
     """
 
     def __init__(self, config: DecoderConfig):
