@@ -77,7 +77,7 @@ def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top
     for logits in router_logits:
         probs = torch.softmax(logits, dim=-1)
         picks = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-        counts = counts + torch.zeros_like(counts).index_add_(0, picks, torch.ones_like(picks, dtype=counts.dtype))
+        counts = counts.index_add(0, picks, torch.ones_like(picks, dtype=counts.dtype))
         prob_sum = prob_sum + probs.float().sum(dim=0)
         rows += logits.shape[0]
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))

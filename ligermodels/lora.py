@@ -41,7 +41,7 @@ from checkpoints_tools import read_json_object
 from checkpoints_tools.keymap import KEYMAPS, expand, part_sizes
 from checkpoints_tools.safetensors_io import copy_tokenizer_files
 from kernels.low_rank import LowRank, lora_linear
-from ligermodels.blocks import MLP, Attention
+from ligermodels.blocks import MLP, Attention, MoE
 from ligermodels.families import FAMILIES
 from ligermodels.hf_io import save_hf_state
 from ligermodels.model import CausalLM
@@ -339,7 +339,7 @@ def _hf_layout(model: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
     for i in range(config.num_layers):
         for proj in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
             native = f"layers.{i}.{proj}"
-            if not isinstance(getattr(model.layers[i].mlp, "gate_up", None), nn.Linear) and proj.startswith("mlp."):
+            if proj.startswith("mlp.") and isinstance(model.layers[i].mlp, MoE):
                 continue  # a mixture-of-experts layer: no dense MLP projections
             parts = table[f"{native}.weight"]
             sizes = part_sizes(f"{native}.weight", config.fused_part_sizes, len(parts),

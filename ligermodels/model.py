@@ -141,12 +141,10 @@ class CausalLM(nn.Module):
         load-balancing loss of this forward (:meth:`router_aux_loss`), times ``router_aux_scale`` (the trainer's
         share of one micro-batch in a step, so a step weighs the mean of its micro-batches' losses).
         """
-        h = self.hidden_states(input_ids, position_ids, document_ids)
+        h, target = self._head_inputs(input_ids, labels, position_ids, document_ids, ignore_index)
         if self.config.final_softcap is not None:
             loss_options.setdefault("softcap", self.config.final_softcap)
-        target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
         loss_options.update(ignore_index=ignore_index, num_items=num_items)
-        h, target = h.reshape(-1, h.shape[-1]), target.reshape(-1)
         if self.head is None:
             loss = fused_linear_cross_entropy(h, self.embed.weight, target, **loss_options)
         else:
@@ -154,6 +152,14 @@ class CausalLM(nn.Module):
         if self.config.output_router_logits and self.config.num_experts:
             loss = loss + router_aux_scale * self.config.router_aux_loss_coef * self.router_aux_loss()
         return loss
+
+    def _head_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids, document_ids,
+                     ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states (B * S, H), next-token targets (B * S,)): ``labels`` shifted left, ``ignore_index``
+        at each row's last position."""
+        h = self.hidden_states(input_ids, position_ids, document_ids)
+        target = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        return h.reshape(-1, h.shape[-1]), target.reshape(-1)
 
     def router_aux_loss(self) -> torch.Tensor:
         """The load-balancing loss (:func:`kernels.load_balancing_loss`) of the last forward's router logits over
@@ -171,10 +177,8 @@ class CausalLM(nn.Module):
         log p(``labels[b, t + 1]`` | tokens ``..t``), 0 where that label is ``ignore_index`` and at ``t = S - 1``.
         ``labels`` (B, S) are aligned with ``input_ids`` as in :meth:`loss`; the head is
         :func:`kernels.logprobs.fused_linear_logprobs` (soft-capped when the config says so)."""
-        h = self.hidden_states(input_ids, position_ids, document_ids)
-        target = F.pad(labels[:, 1:], (0, 1), value=ignore_index).reshape(-1)
+        h, target = self._head_inputs(input_ids, labels, position_ids, document_ids, ignore_index)
         options = dict(ignore_index=ignore_index, softcap=self.config.final_softcap, strategy=strategy)
-        h = h.reshape(-1, h.shape[-1])
         if self.head is None:
             return fused_linear_logprobs(h, self.embed.weight, target, **options)
         return self.head.logprobs(h, target, **options)

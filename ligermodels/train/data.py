@@ -254,6 +254,14 @@ def _chat_documents(examples: list[Example], tokenizer, chat: ChatTemplate | Non
     return out
 
 
+def chat_template(model_dir: str) -> ChatTemplate:
+    """The checkpoint's chat template (for data given as messages); a DataError says what is wrong with it."""
+    try:
+        return ChatTemplate.from_checkpoint(model_dir, special_token_names(model_dir))
+    except ChatTemplateError as e:
+        raise DataError(str(e)) from None
+
+
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     """The order (a permutation of ``n``) in which epoch ``epoch`` visits the documents (or preference examples)."""
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
@@ -363,11 +371,7 @@ def load_inputs(config: TrainConfig) -> Inputs:
         return Inputs(model_config, cls, None if config.random_init else model_dir, model_dir, tokenizer, bos, eos,
                       [], examples)
     examples = read_jsonl(config.data_file)
-    try:
-        chat = (ChatTemplate.from_checkpoint(model_dir, special_token_names(model_dir))
-                if any(e.messages is not None for e in examples) else None)
-    except ChatTemplateError as e:
-        raise DataError(str(e)) from None
+    chat = chat_template(model_dir) if any(e.messages is not None for e in examples) else None
     documents = tokenize(examples, tokenizer, bos, eos, chat, config.chat_loss)
     if not any(d.trains() for d in documents):
         raise DataError(f"{config.data_file}: no token carries a loss (every completion is empty and no EOS is added)")

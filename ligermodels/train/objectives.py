@@ -125,14 +125,12 @@ def kto_terms(config: TrainConfig, logps: torch.Tensor, ref_logps: torch.Tensor,
 
 
 #: The metrics each objective adds to metrics.jsonl (TRL's names), and what each step's sum is divided by.
+_PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected")
 PREFERENCE_METRICS = {
-    "dpo": {**dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                             "logps/chosen", "logps/rejected"), "pairs")},
-    "orpo": {**dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                              "logps/chosen", "logps/rejected", "log_odds_ratio", "log_odds_chosen"), "pairs"),
-             "nll_loss": None},
-    "simpo": {**dict.fromkeys(("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-                               "logps/chosen", "logps/rejected"), "pairs"), "nll_loss": None},
+    "dpo": dict.fromkeys(_PAIR_METRICS, "pairs"),
+    "orpo": {**dict.fromkeys((*_PAIR_METRICS, "log_odds_ratio", "log_odds_chosen"), "pairs"), "nll_loss": None},
+    "simpo": {**dict.fromkeys(_PAIR_METRICS, "pairs"), "nll_loss": None},
     "kto": {"rewards/chosen": "desirable", "logps/chosen": "desirable", "rewards/rejected": "undesirable",
             "logps/rejected": "undesirable", "kl": "micro_batches"},
 }
@@ -208,7 +206,7 @@ class PreferenceTask:
                   "desirable": sum(bool(e.label) for e in step), "undesirable": sum(e.label is False for e in step),
                   "tokens": sum(len(s.ids) for e in step for s in e.sequences),
                   "nll_tokens": sum((len(s.ids) - 1) if orpo else s.predicted_len for s in first)}
-        counts["n_tokens"] = torch.tensor(float(counts["tokens"]), device=device)  # metrics.jsonl's "tokens"
+        counts["n_tokens"] = to_device(torch.tensor(float(counts["tokens"])), device)  # metrics.jsonl's "tokens"
         return counts
 
     # -- log-probs

@@ -143,15 +143,12 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
         if config.lora_rank and not frozen:
             add_lora(model, **lora_options(config))
     if frozen:
-        for p in model.parameters():
-            p.requires_grad_(False)
-            if config.dtype == "bf16":
-                p.data = p.data.to(torch.bfloat16)
+        model.requires_grad_(False)
     else:
         apply_activation_checkpointing(model, config.ac)
-    if world == 1 and config.dtype == "bf16" and config.lora_rank:
-        # The frozen base computes in bf16 and has no master: allocated in bf16 at once, so the device never
-        # holds its fp32 copy (30 GB at 7.6B parameters); the adapters stay fp32.
+    if config.dtype == "bf16" and (frozen or (world == 1 and config.lora_rank)):
+        # A frozen base (LoRA's on one rank, or the reference copy) computes in bf16 and has no master: allocated
+        # in bf16 at once, so the device never holds its fp32 copy (30 GB at 7.6B parameters); adapters stay fp32.
         for p in model.parameters():
             if not p.requires_grad:
                 p.data = p.data.to(torch.bfloat16)

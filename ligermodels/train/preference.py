@@ -38,7 +38,7 @@ import torch
 
 from ligermodels.attention import Documents, to_device
 from ligermodels.train.chat import ChatTemplate, ChatTemplateError, check_messages
-from ligermodels.train.data import IGNORE_INDEX, DataError, epoch_order, json_lines
+from ligermodels.train.data import IGNORE_INDEX, DataError, chat_template, epoch_order, json_lines
 
 PAIRED = ("dpo", "orpo", "simpo")
 OBJECTIVES = ("sft", *PAIRED, "kto")
@@ -322,14 +322,7 @@ def load_examples(config, seq_len: int, tokenizer, special: dict, model_dir: str
     """``config.data_file``'s examples for ``config.objective``, tokenized with the checkpoint's tokenizer, its
     ``special`` tokens (``ligermodels.train.data.special_tokens``) and its chat template (for conversations), each
     sequence at most ``seq_len`` tokens."""
-    from ligermodels.train.data import special_token_names
-
     records = read_preference_jsonl(config.data_file, config.objective)
-    chat = None
-    if any(isinstance(r.prompt, list) for r in records):
-        try:
-            chat = ChatTemplate.from_checkpoint(model_dir, special_token_names(model_dir))
-        except ChatTemplateError as e:
-            raise DataError(str(e)) from None
+    chat = chat_template(model_dir) if any(isinstance(r.prompt, list) for r in records) else None
     tok = PreferenceTokenizer(tokenizer, chat, special["bos"], special["eos"], seq_len)
     return tokenize_preferences(records, config.objective, tok, config.batch_size)
