@@ -398,6 +398,22 @@ MODELS: dict[str, dict] = {
                       hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                       query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                       sliding_window=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    # Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 with their layers cut to what trains on one 80 GB GPU with
+    # fp32 master weights and AdamW (every implementation the same): 4 of 48 and 2 of 32 layers.
+    "qwen3-30b-a3b-l4": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_hidden_layers=4, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                             router_aux_loss_coef=0.001, output_router_logits=False, max_position_embeddings=40960,
+                             rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+                             use_sliding_window=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mixtral-8x7b-l2": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                            num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                            num_experts_per_tok=2, router_aux_loss_coef=0.02, output_router_logits=False,
+                            max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                            hidden_act="silu", sliding_window=None,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
 
 #: transformers' attention implementation per ``model_type`` where SDPA (the default here) would not compute
@@ -432,7 +448,8 @@ PEAK_BF16_TFLOPS = 989.0
 #: before the model is built.
 LIGER_PATCH = {"llama": "apply_liger_kernel_to_llama", "qwen2": "apply_liger_kernel_to_qwen2",
                "gemma": "apply_liger_kernel_to_gemma", "mistral": "apply_liger_kernel_to_mistral",
-               "qwen3": "apply_liger_kernel_to_qwen3", "gemma2": "apply_liger_kernel_to_gemma2"}
+               "qwen3": "apply_liger_kernel_to_qwen3", "gemma2": "apply_liger_kernel_to_gemma2",
+               "qwen3_moe": "apply_liger_kernel_to_qwen3_moe", "mixtral": "apply_liger_kernel_to_mixtral"}
 
 
 def attended_pairs(seq: int, window: int | None) -> float:
@@ -444,7 +461,8 @@ def attended_pairs(seq: int, window: int | None) -> float:
 
 
 def step_flops(model: str, batch: int, seq: int) -> float:
-    """Flops of one training step: 6 x matmul parameters x tokens + causal attention (fwd + bwd).
+    """Flops of one training step: 6 x matmul parameters x tokens + causal attention (fwd + bwd). A
+    mixture-of-experts layer counts its router and the k experts each token reaches (active parameters).
 
     Attention is 4 * D flops per (query, key) pair and head forward (scores and the value product), three
     times that forward + backward, over each layer's attended pairs (its sliding window, if any, from the
@@ -456,10 +474,12 @@ def step_flops(model: str, batch: int, seq: int) -> float:
     h, layers, v = d["hidden_size"], d["num_hidden_layers"], d["vocab_size"]
     hq, hkv = d["num_attention_heads"], d["num_key_value_heads"]
     hd = d.get("head_dim", h // hq)
-    per_layer = h * (hq + 2 * hkv) * hd + hq * hd * h + 3 * h * d["intermediate_size"]
-    matmul_params = layers * per_layer + v * h  # the output head is a matmul, tied or not
+    c = config_from_hf(d)
+    mlp = [h * c.num_experts + 3 * h * c.experts_per_token * c.moe_intermediate_size if c.sparse_layer(i)
+           else 3 * h * d["intermediate_size"] for i in range(layers)]
+    matmul_params = layers * (h * (hq + 2 * hkv) * hd + hq * hd * h) + sum(mlp) + v * h  # the head: tied or not
     tokens = batch * seq
-    windows = config_from_hf(d).layer_windows  # one entry per layer, None = full attention
+    windows = c.layer_windows  # one entry per layer, None = full attention
     attention = 3 * 4 * batch * hq * hd * sum(attended_pairs(seq, w) for w in windows)
     return 6 * matmul_params * tokens + attention
 

@@ -18,8 +18,8 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
 - :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
 - :mod:`kernels.logprobs`: ``fused_linear_logprobs``, ``fused_linear_sequence_logprobs`` (next-token
   log-probabilities, per token and summed per sequence, on the chunked cross-entropy loop)
-- :mod:`kernels.moe`: ``moe_mlp_reference`` (top-k routing, the experts, the weighted combine; the PyTorch path,
-  Triton kernels not written yet), ``load_balancing_loss``
+- :mod:`kernels.moe`: ``moe_mlp`` (mixture-of-experts MLP: fused routing, permutation, grouped GEMMs, scaled GLU,
+  combine), ``moe_mlp_reference``, ``load_balancing_loss``
 - :mod:`kernels.adamw`: ``AdamW`` (``torch.optim.AdamW`` with a Triton update kernel; an optimiser, not an op)
 """
 
@@ -30,7 +30,7 @@ from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from kernels.glu import geglu, glu_linear, swiglu
 from kernels.logprobs import fused_linear_logprobs, fused_linear_sequence_logprobs
 from kernels.low_rank import LowRank, lora_linear
-from kernels.moe import load_balancing_loss, moe_mlp_reference
+from kernels.moe import load_balancing_loss, moe_mlp, moe_mlp_reference
 from kernels.norm_linear import rms_norm_linear
 from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
@@ -38,5 +38,5 @@ from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
 __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_norm_linear", "apply_rope",
            "apply_rope_qkv_", "apply_qk_norm_rope_qkv_", "swiglu", "geglu", "glu_linear", "LowRank", "lora_linear",
            "cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs",
-           "fused_linear_sequence_logprobs", "AdamW", "document_attention", "document_bounds", "moe_mlp_reference",
-           "load_balancing_loss"]
+           "fused_linear_sequence_logprobs", "AdamW", "document_attention", "document_bounds", "moe_mlp",
+           "moe_mlp_reference", "load_balancing_loss"]

@@ -27,7 +27,7 @@ from kernels import (
     apply_rope_qkv_,
     fused_add_rms_norm,
     glu_linear,
-    moe_mlp_reference,
+    moe_mlp,
     rms_norm,
     rms_norm_linear,
 )
@@ -211,9 +211,8 @@ class MoE(nn.Module):
         self.router_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, self.router_logits = moe_mlp_reference(x.reshape(-1, x.shape[-1]), self.router.weight,
-                                                    self.experts_gate_up, self.experts_down, self.top_k,
-                                                    self.norm_topk, self.activation)
+        out, self.router_logits = moe_mlp(x.reshape(-1, x.shape[-1]), self.router.weight, self.experts_gate_up,
+                                          self.experts_down, self.top_k, self.norm_topk, self.activation)
         return out.view(x.shape)
 
 

@@ -42,7 +42,7 @@ def test_model_shape_builds_the_same_model_in_ligermodels_and_transformers(name)
             hf_config, attn_implementation=common.hf_attention(d["model_type"]))
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
     assert config.tie_embeddings == hf_config.tie_word_embeddings
-    assert config.head_dim == getattr(hf_config, "head_dim", d["hidden_size"] // d["num_attention_heads"])
+    assert config.head_dim == (getattr(hf_config, "head_dim", None) or d["hidden_size"] // d["num_attention_heads"])
     assert config.rope.theta == hf_config.rope_parameters["rope_theta"]
 
 
@@ -81,7 +81,10 @@ def test_step_flops_counts_sliding_windows():
         d = common.MODELS[name]
         h, layers, hq = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
         hd, hkv = d.get("head_dim", h // hq), d["num_key_value_heads"]
-        params = layers * (h * (hq + 2 * hkv) * hd + hq * hd * h + 3 * h * d["intermediate_size"]) + d["vocab_size"] * h
+        experts = d.get("num_experts") or d.get("num_local_experts")
+        mlp = (h * experts + 3 * h * d["num_experts_per_tok"] * d.get("moe_intermediate_size", d["intermediate_size"])
+               if experts else 3 * h * d["intermediate_size"])
+        params = layers * (h * (hq + 2 * hkv) * hd + hq * hd * h + mlp) + d["vocab_size"] * h
         return 6 * params * batch * seq + 3 * 4 * batch * seq * seq * hq * hd * layers / 2, 12 * batch * hq * hd
 
     for name in common.MODELS:

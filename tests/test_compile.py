@@ -14,6 +14,7 @@ from kernels import (
     fused_linear_cross_entropy,
     geglu,
     glu_linear,
+    moe_mlp,
     rms_norm,
     rms_norm_linear,
     swiglu,
@@ -23,8 +24,8 @@ from tests.utils import rel_err
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.compile of Triton ops needs CUDA")
 
 
-def _r(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+def _r(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (scale * torch.randn(*shape, device="cuda", dtype=dtype)).requires_grad_()
 
 
 CASES = {
@@ -51,6 +52,8 @@ CASES = {
                       lambda: [_r(37, 1000), torch.randint(0, 1000, (37,), device="cuda")]),
     "fused_linear_cross_entropy": (lambda h, w, t: fused_linear_cross_entropy(h, w, t, lse_square_scale=1e-4),
                                    lambda: [_r(37, 64), _r(1000, 64), torch.randint(0, 1000, (37,), device="cuda")]),
+    "moe_mlp": (lambda x, r, gu, d: moe_mlp(x, r, gu, d, 2, True),
+                lambda: [_r(37, 256), _r(8, 256), _r(8, 2 * 128, 256, scale=0.05), _r(8, 256, 128, scale=0.05)]),
 }
 
 
@@ -70,7 +73,7 @@ def test_op_compiles_without_graph_break_and_matches_eager(name):
         assert rel_err(a, b) <= 1e-2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora", "qwen3_moe"])
 def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_type):
     """The decoder's loss (attention with its SDPA backend choice, every custom op, the loss head) in one graph;
     "+lora": adapters on all seven projections (inside the fused norm/GLU/linear Functions), their gradients."""
@@ -82,7 +85,10 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
     hf = dict(model_type=model_type, vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
               rms_norm_eps=1e-6, tie_word_embeddings=model_type == "gemma",
-              hidden_act="silu" if model_type == "llama" else "gelu_pytorch_tanh")
+              hidden_act="gelu_pytorch_tanh" if model_type == "gemma" else "silu")
+    if model_type == "qwen3_moe":
+        hf.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+                  output_router_logits=True, router_aux_loss_coef=0.01)
     torch._dynamo.reset()
     torch.manual_seed(0)
     with torch.device("cuda"):

@@ -1,4 +1,5 @@
-"""Mixture-of-experts: kernels.moe's reference against a float64 per-token loop (output and every gradient), the
+"""Mixture-of-experts: kernels.moe's kernel path and its reference against a float64 per-token loop (output and every
+gradient), the routing kernel's picks against torch.topk, the kernel path without host synchronisation, the
 load-balancing loss against transformers', generation against transformers, the trainer on a Qwen3-MoE checkpoint,
 and the config fields refused by name. (The families' logits, loss and gradients against transformers are in
 tests/test_models.py, cases qwen3_moe_* and mixtral_*.)"""
@@ -13,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import load_balancing_loss, moe_mlp_reference
+import kernels.moe
+from kernels.moe import load_balancing_loss, moe_mlp, moe_mlp_reference
 from ligermodels import AutoLigerModel, UnsupportedConfigError, config_from_hf
 from tests.test_models import make_hf_checkpoint
 from tests.test_train import ENV, ROOT, TIMEOUT
-from tests.utils import rel_err
+from tests.utils import DEVICE, assert_triton_runs, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,6 +61,82 @@ def test_moe_reference_matches_a_float64_per_token_loop_with_every_gradient(k, n
             assert a.grad.abs().max() <= 1e-12 and b.grad.abs().max() <= 1e-12
         else:
             assert rel_err(a.grad, b.grad) <= 1e-12, name
+
+
+def _moe_args(t, h, i, e, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(t, h, generator=g, dtype=torch.float64), torch.randn(e, h, generator=g, dtype=torch.float64),
+            0.3 * torch.randn(e, 2 * i, h, generator=g, dtype=torch.float64),
+            0.3 * torch.randn(e, h, i, generator=g, dtype=torch.float64)]
+
+
+def _kernel_vs_per_token(dtype, t, h, i, e, k, norm_topk, seed=0):
+    """Relative errors (output, then the gradients of x, router, gate_up, down) of moe_mlp in ``dtype`` against the
+    float64 per-token loop, for a fresh random output gradient."""
+    args = _moe_args(t, h, i, e, seed)
+    ours = [a.to(dtype).to(DEVICE).clone().requires_grad_() for a in args]
+    ref = [a.clone().requires_grad_() for a in args]
+    assert_triton_runs(ours[0])
+    out, logits = moe_mlp(*ours, k, norm_topk)
+    expected = _per_token(*ref, k, norm_topk)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    out.backward(grad.to(dtype).to(DEVICE))
+    expected.backward(grad)
+    assert out.dtype == dtype and logits.dtype == dtype
+    return [rel_err(out, expected)] + [rel_err(a.grad, b.grad) for a, b in zip(ours, ref, strict=True)]
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="float64 through the interpreter; the GPU runs the fp32/bf16 cases")
+@pytest.mark.parametrize("t, h, i, e, k, norm_topk", [
+    (13, 24, 10, 5, 2, True), (13, 24, 10, 5, 3, False), (9, 20, 6, 7, 1, True), (3, 12, 6, 6, 1, False)])
+def test_moe_kernels_match_a_float64_per_token_loop_with_every_gradient(t, h, i, e, k, norm_topk):
+    """The kernel path (routing, permutation, scaled GLU, combine; grouped GEMMs by the per-expert fallback in
+    float64) in float64 through the interpreter; the last shape leaves experts without tokens."""
+    errs = _kernel_vs_per_token(torch.float64, t, h, i, e, k, norm_topk)
+    if k == 1 and norm_topk:  # the one weight is p / p = 1: no gradient reaches the router
+        errs.pop(2)
+    assert max(errs) <= 1e-12, errs
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_moe_kernels_on_grouped_gemms_match_a_float64_per_token_loop(dtype, bound, norm_topk, monkeypatch):
+    """Aligned sizes take ``torch._grouped_mm`` for every GEMM (bf16 on a GPU; fp32 and bf16 on the CPU)."""
+    calls = []
+    grouped = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or grouped(*a, **kw))
+    errs = _kernel_vs_per_token(dtype, 37, 64, 32, 6, 2, norm_topk)
+    assert max(errs) <= bound, errs
+    if DEVICE.type == "cpu" or dtype == torch.bfloat16:
+        assert len(calls) == 6  # gate/up and down forward; their input and weight gradients
+
+
+def test_routing_kernel_picks_what_torch_topk_picks_and_breaks_ties_to_the_lower_expert():
+    logits = torch.randn(50, 13, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    logits[0] = 0.0  # all tied: experts 0..k-1
+    logits[1, 5] = logits[1, 9] = 4.0  # a tie at the top: 5 then 9
+    assert_triton_runs(logits)
+    for norm_topk in (True, False):
+        weights, ids = kernels.moe.RouteFunction.apply(logits, 3, norm_topk)
+        probs = torch.softmax(logits, dim=-1)
+        top = torch.topk(probs, 3, dim=-1)
+        expected = top.values / top.values.sum(-1, keepdim=True) if norm_topk else top.values
+        assert ids.dtype == torch.int32 and torch.equal(ids[2:].long(), top.indices[2:])
+        assert ids[0].tolist() == [0, 1, 2] and ids[1, :2].tolist() == [5, 9]
+        assert rel_err(weights, expected) <= 1e-6
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisation is a CUDA notion")
+def test_moe_kernel_path_never_synchronises_with_the_host():
+    args = [a.to(torch.bfloat16).cuda().requires_grad_() for a in _moe_args(300, 256, 128, 16, 0)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, logits = moe_mlp(*args, 4, True)
+        (out.float().sum() + logits.float().sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(a.grad is not None for a in args)
 
 
 def test_load_balancing_loss_and_its_gradient_match_transformers():
