@@ -12,6 +12,7 @@ same run, for the fewest bytes each op must move):
 * ``permute``: sorting the T*k picks by expert, their positions and group ends, and ``expand`` writing each token's
   k rows: everything between the routing and the first grouped GEMM. Bytes: x read once, T*k rows written. Against
   eager PyTorch's ``argsort`` + ``index_select``.
+* ``expand`` alone: the permutation's copy without the sort. Bytes: x read once, T*k rows written.
 * ``combine``: each token's k rows summed (fp32) into its output row. Bytes: T*k rows read, T rows written. Against
   eager ``index_add_`` in fp32 and a cast.
 * ``grouped_gemm``: gate/up and down of the sorted rows, forward (``fwd``), input gradient (``dgrad``) and weight
@@ -85,6 +86,10 @@ def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
     def ours_permute():
         p, offs = _sorted(ids, experts)
         return _expand(x, p), offs
+
+    p0, _ = _sorted(ids, experts)
+    rows.append(_row({"op": "expand", "shape": shape, "dtype": "bfloat16", "impl": "ligermodels"}, "fwd",
+                     lambda: _expand(x, p0), tokens * hidden * 2 * (1 + k), copy_gbs))
 
     def eager_permute():
         order = torch.argsort(ids.reshape(-1), stable=True)
@@ -160,11 +165,13 @@ def layer_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
     shape = f"{name}: T {tokens}, H {hidden}, E {experts} x I {inter}, k {k}"
     rows = []
 
-    def make():
-        return [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True),
-                router.clone().requires_grad_(), gate_up.clone().requires_grad_(), down.clone().requires_grad_()]
+    def make(params=None):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if params is not None:  # transformers' block: its own parameters, which hold the same weights
+            return [x, *params]
+        return [x, router.clone().requires_grad_(), gate_up.clone().requires_grad_(), down.clone().requires_grad_()]
 
-    impls = {"ligermodels": lambda x, r, gu, d: moe_mlp(x, r, gu, d, k, norm)[0]}
+    impls = {"ligermodels": (lambda x, r, gu, d: moe_mlp(x, r, gu, d, k, norm)[0], make)}
     for experts_impl in ("grouped_mm", "batched_mm", "eager"):
         try:
             config = transformers.AutoConfig.for_model(model_type, **cfg)  # one each: the block reads it per call
@@ -179,16 +186,19 @@ def layer_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
             next(p for n, p in params.items() if n.endswith("gate.weight")).copy_(router)
             next(p for n, p in params.items() if "gate_up_proj" in n).copy_(gate_up)
             next(p for n, p in params.items() if "down_proj" in n).copy_(down)
-        impls[f"transformers-{experts_impl}"] = (lambda b: lambda x, r, gu, d: _first(b(x[None]))[0])(block)
-    for impl, fn in impls.items():
+        impls[f"transformers-{experts_impl}"] = ((lambda b: lambda x, *_: _first(b(x[None]))[0])(block),
+                                                 (lambda ps: lambda: make(ps))(list(params.values())))
+    for impl, (fn, make_inputs) in impls.items():
         base = {"op": "moe_layer", "shape": shape, "dtype": "bfloat16", "impl": impl}
         try:
-            fwd, bwd = time_fwd_bwd(fn, make())
+            fwd, bwd = time_fwd_bwd(fn, make_inputs())
         except Exception as e:
             rows.append({**base, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
         for pas, t in (("fwd", fwd), ("bwd", bwd)):
-            rows.append(timing_row(base, pas, t, 0, copy_gbs))
+            row = timing_row(base, pas, t, 0, copy_gbs)
+            rows.append({k: v for k, v in row.items() if k not in ("bytes", "gbs", "frac_copy_bw", "same_size_copy_ms",
+                                                                   "frac_same_size_copy")})
         torch.cuda.empty_cache()
     return rows
 
