@@ -222,8 +222,11 @@ def main(argv=None) -> None:
                 print(r)
             rows += got
             torch.cuda.empty_cache()
-    path = write_results("moe", {**environment(), "copy_gbs": round(copy_gbs, 1), "tokens": args.tokens,
-                                 "rows": rows}, args.out)
+    env = environment()
+    name = f"moe-{(env.get('gpu') or 'cpu').replace(' ', '_')}-{env['date']}"
+    payload = {"benchmark": "mixture-of-experts kernels and one MoE layer", "copy_gbs": round(copy_gbs, 1),
+               "tokens": args.tokens, "rows": rows}
+    path = write_results(name, payload, args.out)
     print("wrote", path)
 
 

@@ -19,7 +19,7 @@ import re
 import sys
 from collections import defaultdict
 
-from benchmarks.common import RESULTS, ROOT, newest_results
+from benchmarks.common import MODELS, RESULTS, ROOT, newest_results
 
 #: The generated blocks each file holds (paths relative to the repository root).
 TARGETS = {
@@ -27,10 +27,12 @@ TARGETS = {
     "docs/performance.md": ("summary", "training", "lora", "step", "scale", "attention", "kernels", "flce",
                             "linear", "decode"),
     "docs/preference.md": ("preference",),
+    "docs/moe.md": ("moe",),
 }
 #: Display names of the benchmark shapes (public configs, benchmarks/common.py MODELS).
 MODEL_NAMES = {"llama-1b": "Llama-3.2-1B", "qwen2-1.5b": "Qwen2-1.5B", "qwen2-7b": "Qwen2-7B",
-               "qwen3-1.7b": "Qwen3-1.7B", "gemma-2b": "Gemma-2B", "gemma2-2b": "Gemma-2-2B"}
+               "qwen3-1.7b": "Qwen3-1.7B", "gemma-2b": "Gemma-2B", "gemma2-2b": "Gemma-2-2B",
+               "qwen3-30b-a3b-l4": "Qwen3-30B-A3B (4 of 48 layers)", "mixtral-8x7b-l2": "Mixtral-8x7B (2 of 32 layers)"}
 
 
 def _latest(prefix: str) -> dict | None:
@@ -363,8 +365,24 @@ def summary() -> str:
     return "\n".join(headline_rows() + ["", _HEADLINE_TEXT, "", "Sources:", "", *sources])
 
 
+def _moe_model(model: str) -> bool:
+    d = MODELS.get(model, {})
+    return bool(d.get("num_experts") or d.get("num_local_experts"))
+
+
+def _of_kind(runs: list[dict], moe: bool) -> list[dict]:
+    """The runs with only their rows of mixture-of-experts shapes (``moe``) or only the dense ones; runs left with
+    no rows dropped. The two kinds have different targets, so they are tabled apart."""
+    out = []
+    for d in runs:
+        rows = [r for r in d["rows"] if _moe_model(r["model"]) == moe]
+        if rows:
+            out.append({**d, "rows": rows})
+    return out
+
+
 def training() -> str:
-    parts = [train_table(g) for g in _groups(_train_runs())]
+    parts = [train_table(g) for g in _groups(_of_kind(_train_runs(), moe=False))]
     alone = _loop_only_runs()
     if alone:
         parts.append(loop_only_table(alone, _train_runs()))
@@ -775,13 +793,63 @@ def preference_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------ mixture of experts
+def moe_kernels_table(d: dict) -> str:
+    """bench_moe's rows: the data movement ops against eager PyTorch, the grouped GEMMs against a dense GEMM of the
+    same flops, and one MoE layer against transformers' experts implementations."""
+    rows = [r for r in d["rows"] if "error" not in r]
+    lines = [f"Mixture-of-experts kernels, bf16, {d['tokens']} tokens through one sparse layer, on {d['gpu']}; kernel "
+             f"times (GPU time after an L2 flush, host excluded). Copy bandwidth measured in the same run: "
+             f"{d['copy_gbs']:.0f} GB/s.", "",
+             "| op | shape | ours, ms | ours, % of copy bandwidth | ours, % of a same-size copy | eager PyTorch, ms |",
+             "|---|---|---|---|---|---|"]
+    by = defaultdict(dict)
+    for r in rows:
+        by[(r["op"], r["shape"], r.get("pass"))][r["impl"]] = r
+    for (op, shape, _), impls in by.items():
+        ours = impls.get("ligermodels")
+        if op not in ("route", "permute", "expand", "combine") or not ours:
+            continue
+        eager = impls.get("torch-eager")
+        lines.append(f"| {op} | {shape} | {ours['ms']:.3f} | {100 * ours['frac_copy_bw']:.0f}% | "
+                     f"{100 * ours['frac_same_size_copy']:.0f}% | {'-' if not eager else format(eager['ms'], '.3f')} |")
+    lines += ["", "| grouped GEMM (`torch._grouped_mm`) | pass | ms | TFLOP/s | dense GEMM of the same flops, TFLOP/s "
+              "| grouped / dense |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["op"] == "grouped_gemm":
+            lines.append(f"| {r['shape']} | {r['pass']} | {r['ms']:.3f} | {r['tflops']:.0f} | "
+                         f"{r['dense_tflops']:.0f} | {r['frac_dense']:.2f} |")
+    lines += ["", "| one MoE layer, router included | implementation | forward ms | backward ms |", "|---|---|---|---|"]
+    layer = defaultdict(dict)
+    for r in d["rows"]:
+        if r["op"] == "moe_layer":
+            layer[(r["shape"], r["impl"])][r.get("pass", "error")] = r
+    for (shape, impl), passes in layer.items():
+        if "error" in passes:
+            err = passes["error"]["error"]
+            cells = "out of memory | out of memory" if err.startswith("OutOfMemoryError") else "failed | failed"
+        else:
+            cells = f"{passes['fwd']['ms']:.2f} | {passes['bwd']['ms']:.2f}"
+        lines.append(f"| {shape} | {impl} | {cells} |")
+    return "\n".join(lines + _sources([d]))
+
+
+def moe() -> str:
+    parts = [train_table(g) for g in _groups(_of_kind(_train_runs(), moe=True))]
+    d = _latest("moe")
+    if d:
+        parts.append(moe_kernels_table(d))
+    return "\n\n".join(parts) or "No results committed yet."
+
+
 # ------------------------------------------------------------------------------------------ the files
 def blocks() -> dict[str, str]:
     """Every generated block by name."""
     return {"headline": headline(), "summary": summary(), "training": training(), "lora": lora(), "step": step(),
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
-            "decode": _newest("decode", decode_table), "preference": _newest("preference", preference_table)}
+            "decode": _newest("decode", decode_table), "preference": _newest("preference", preference_table),
+            "moe": moe()}
 
 
 def render(text: str, names: tuple[str, ...], generated: dict[str, str], path: str = "") -> str:

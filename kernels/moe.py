@@ -320,6 +320,13 @@ def _scaled_glu_bwd(da: torch.Tensor, h: torch.Tensor, w: torch.Tensor, act: int
 
 
 # ---------------------------------------------------------------------------------- grouped GEMMs
+def grouped_gemm_device(device: torch.device) -> bool:
+    """Whether bf16 grouped GEMMs run on ``device`` through ``torch._grouped_mm`` (an sm90+ GPU), so that the kernel
+    path never reads the per-expert counts on the host (what CUDA-graph capture needs)."""
+    return (hasattr(torch, "_grouped_mm") and device.type == "cuda" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes these operands: bf16 on an sm90+ GPU, fp32 or bf16 on the CPU, every
     row 16-byte aligned."""
@@ -327,7 +334,7 @@ def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     if a.device.type == "cuda":
-        if a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device) < (9, 0):
+        if a.dtype != torch.bfloat16 or not grouped_gemm_device(a.device):
             return False
     elif a.device.type != "cpu" or a.dtype not in (torch.float32, torch.bfloat16):
         return False
@@ -466,4 +473,4 @@ def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top
 
 
 
-__all__ = ["route", "moe_mlp", "moe_mlp_reference", "grouped_linear", "load_balancing_loss"]
+__all__ = ["route", "moe_mlp", "moe_mlp_reference", "grouped_linear", "grouped_gemm_device", "load_balancing_loss"]

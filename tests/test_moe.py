@@ -157,6 +157,9 @@ def test_moe_model_generates_what_transformers_generates(case, tmp_path):
     hf = make_hf_checkpoint(case, str(tmp_path))
     ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32)
     ids = torch.randint(0, hf.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    # transformers 5.17's generate fails computing the load-balancing loss of a decode step against the whole
+    # attention mask (a shape error in load_balancing_loss_func); generation does not use that loss
+    hf.config.output_router_logits = False
     theirs = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     eos = hf.generation_config.eos_token_id  # transformers stops a row there and pads it
     assert torch.equal(ours.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0), theirs)
@@ -252,14 +255,18 @@ def test_moe_config_fields_we_do_not_implement_are_refused_by_name(model_type, f
         config_from_hf(d)
 
 
-def test_cuda_graph_refuses_a_mixture_of_experts_model_by_name():
+def test_cuda_graph_refuses_a_mixture_of_experts_model_without_sm90_grouped_gemms_by_name(monkeypatch):
     from types import SimpleNamespace
 
+    import ligermodels.train.cuda_graph as cuda_graph
     from ligermodels.train.config import TrainError
     from ligermodels.train.cuda_graph import check_cuda_graph
 
     model = config_from_hf({"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
                             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
-    config = SimpleNamespace(cuda_graph=True, dtype="bf16", attention="documents")  # the flags it reads
+    config = SimpleNamespace(cuda_graph=True, dtype="bf16", attention="causal")  # the flags it reads
+    monkeypatch.setattr(cuda_graph, "grouped_gemm_device", lambda device: False)
     with pytest.raises(TrainError, match="mixture-of-experts"):
         check_cuda_graph(config, model, 1, torch.device("cuda"))
+    monkeypatch.setattr(cuda_graph, "grouped_gemm_device", lambda device: True)
+    check_cuda_graph(config, model, 1, torch.device("cuda"))  # sm90: the grouped GEMMs never sync

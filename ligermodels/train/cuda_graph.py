@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import AdamW
+from kernels.moe import grouped_gemm_device
 from ligermodels.attention import Documents, document_ids_from_positions, flash_varlen_takes, to_device
 from ligermodels.config import DecoderConfig
 from ligermodels.model import CausalLM
@@ -154,9 +155,11 @@ def check_cuda_graph(config: TrainConfig, model: DecoderConfig, world: int, devi
                          f"{world}")
     if config.dtype != "bf16":
         raise TrainError("--cuda-graph needs --dtype bf16 (the captured attention is FlashAttention's)")
-    if model.num_experts:
-        raise TrainError(f"--cuda-graph cannot capture {model.model_type}'s mixture-of-experts layers (their PyTorch "
-                         "path reads the per-expert token counts on the host); leave out --cuda-graph")
+    if model.num_experts and not (grouped_gemm_device(device) and model.hidden_size % 8 == 0
+                                  and model.moe_intermediate_size % 8 == 0):
+        raise TrainError(f"--cuda-graph captures {model.model_type}'s mixture-of-experts layers only on an sm90+ GPU "
+                         "with hidden and expert sizes multiples of 8 (elsewhere the experts' GEMMs read the "
+                         "per-expert token counts on the host); leave out --cuda-graph")
     if config.attention == "documents":
         if model.attn_softcap is not None or not flash_varlen_takes(device, torch.bfloat16, model.head_dim,
                                                                      model.attention_dropout):
