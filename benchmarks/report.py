@@ -383,9 +383,9 @@ def _of_kind(runs: list[dict], moe: bool) -> list[dict]:
 
 def training() -> str:
     parts = [train_table(g) for g in _groups(_of_kind(_train_runs(), moe=False))]
-    alone = _loop_only_runs()
+    alone = _of_kind(_loop_only_runs(), moe=False)
     if alone:
-        parts.append(loop_only_table(alone, _train_runs()))
+        parts.append(loop_only_table(alone, _of_kind(_train_runs(), moe=False)))
     return "\n\n".join(parts) or "No results committed yet."
 
 
@@ -836,6 +836,9 @@ def moe_kernels_table(d: dict) -> str:
 
 def moe() -> str:
     parts = [train_table(g) for g in _groups(_of_kind(_train_runs(), moe=True))]
+    alone = _of_kind(_loop_only_runs(), moe=True)
+    if alone:
+        parts.append(loop_only_table(alone, _of_kind(_train_runs(), moe=True)))
     d = _latest("moe")
     if d:
         parts.append(moe_kernels_table(d))

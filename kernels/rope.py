@@ -748,11 +748,12 @@ def _qk_norm_rope_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 def _norm_bwd_launch(dqkv: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_q: int, n_kv: int,
-                     offset: float, interleaved: bool) -> torch.Tensor:
-    """Run :func:`_norm_rope_qkv_bwd_kernel` from contiguous ``dqkv`` into ``out`` (a new buffer, the v heads
-    copied, or ``dqkv`` itself, in place); returns the weight gradients as one (2, D) tensor in q_weight's dtype
-    (q's, then k's): the programs' fp32 partials (programs, 2 * D) summed by one more launch
-    (:func:`kernels.rms_norm._rms_norm_dw_kernel`), two launches in all."""
+                     offset: float, interleaved: bool, copy_v: bool) -> torch.Tensor:
+    """Run :func:`_norm_rope_qkv_bwd_kernel` from contiguous ``dqkv`` into ``out``: a new buffer, the v heads
+    copied (``copy_v``), or ``dqkv`` itself, in place (said by the caller: a traced tensor has no address). Returns
+    the weight gradients as one (2, D) tensor in q_weight's dtype (q's, then k's): the programs' fp32 partials
+    (programs, 2 * D) summed by one more launch (:func:`kernels.rms_norm._rms_norm_dw_kernel`), two launches in
+    all."""
     B, S, n = dqkv.shape
     D = n // (n_q + 2 * n_kv)
     dw = torch.empty((2, D), dtype=q_weight.dtype, device=dqkv.device)
@@ -763,7 +764,6 @@ def _norm_bwd_launch(dqkv: torch.Tensor, out: torch.Tensor, xs: torch.Tensor, rs
     sc_b, sc_s = _cs_strides(cos)
     ss_b, ss_s = _cs_strides(sin)
     block_full = 2 * max(block_d, block_r)
-    copy_v = out.data_ptr() != dqkv.data_ptr()
     if not copy_v and n_rest == 0 and not interleaved and D & (D - 1) == 0:  # the persistent kernel's case
         programs = min(B * S, _sm_count(dqkv.device) * _NORM_BWD_PROGRAMS_PER_SM)
         partial = torch.empty((programs, 2 * D), dtype=torch.float32, device=dqkv.device)
@@ -794,7 +794,8 @@ def _qk_norm_rope_qkv_bwd(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tensor
     """(dqkv before the op (B, S, (Hq + 2*Hkv) * D), the weight gradients (2, D): q's, k's, in q_weight's dtype)."""
     dqkv = dqkv.contiguous()
     out = torch.empty(dqkv.shape, dtype=dqkv.dtype, device=dqkv.device)
-    return out, _norm_bwd_launch(dqkv, out, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved)
+    return out, _norm_bwd_launch(dqkv, out, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved,
+                                 True)
 
 
 @eager_op
@@ -804,7 +805,8 @@ def _qk_norm_rope_qkv_bwd_(dqkv: torch.Tensor, xs: torch.Tensor, rs: torch.Tenso
                            offset: float, interleaved: bool) -> torch.Tensor:
     """:func:`_qk_norm_rope_qkv_bwd` in place: contiguous ``dqkv`` becomes the gradient before the op (its v
     heads are already that); returns the weight gradients (2, D)."""
-    return _norm_bwd_launch(dqkv, dqkv, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved)
+    return _norm_bwd_launch(dqkv, dqkv, xs, rs, cos, sin, q_weight, k_weight, n_q, n_kv, offset, interleaved,
+                            False)
 
 
 class RoPEFunction(torch.autograd.Function):
