@@ -139,7 +139,8 @@ class CausalLM(nn.Module):
         head for no fp32 (V, H) weight-gradient buffer. ``softcap`` defaults to the config's ``final_softcap``.
         A mixture-of-experts config with ``output_router_logits`` adds ``router_aux_loss_coef`` times the
         load-balancing loss of this forward (:meth:`router_aux_loss`), times ``router_aux_scale`` (the trainer's
-        share of one micro-batch in a step, so a step weighs the mean of its micro-batches' losses).
+        share of one micro-batch in a step, so a step weighs the mean of its micro-batches' losses), to the
+        reduced loss only: with ``reduction="none"`` the per-token losses are the cross-entropy alone.
         """
         h, target = self._head_inputs(input_ids, labels, position_ids, document_ids, ignore_index)
         if self.config.final_softcap is not None:
@@ -149,7 +150,7 @@ class CausalLM(nn.Module):
             loss = fused_linear_cross_entropy(h, self.embed.weight, target, **loss_options)
         else:
             loss = self.head.loss(h, target, **loss_options)  # its own method: FSDP2 gathers it when it is a unit
-        if self.config.output_router_logits and self.config.num_experts:
+        if self.config.output_router_logits and self.config.num_experts and loss_options.get("reduction") != "none":
             loss = loss + router_aux_scale * self.config.router_aux_loss_coef * self.router_aux_loss()
         return loss
 

@@ -283,3 +283,23 @@ def test_lora_paths_one_pass_prototype_computes_dz_and_db():
     assert dz.dtype == torch.bfloat16 and dz.shape == (m, tr) and dbb.shape == (tr, n)
     assert (dz.double() - dz_ref).norm() / dz_ref.norm() < 8e-3
     assert (dbb.double() - dbb_ref).norm() / dbb_ref.norm() < 1e-5
+
+
+# ------------------------------------------------------------------------------------ DPO loss head
+def test_dpo_head_benchmark_times_the_sigmoid_dpo_loss_of_its_pairs():
+    """bench_dpo_head's ligermodels side is the sigmoid DPO loss (beta 0.1) of the pairs' summed completion
+    log-probs, policy against reference: a float64 computation from full logits agrees (fp32 inputs, odd sizes)."""
+    import torch.nn.functional as F
+
+    from benchmarks.bench_dpo_head import BETA, make_inputs, ours
+
+    inp = make_inputs(97, 16, device=DEVICE.type, pairs=3, prompt=5, completion=7, dtype=torch.float32)
+
+    def logps(h, w):
+        t = inp["target"]
+        z = (h.double() @ w.double().T).log_softmax(-1)
+        return (z.gather(-1, t.clamp(min=0)[..., None])[..., 0] * (t != -100)).sum(-1)
+
+    pol, ref = logps(inp["hidden"], inp["weight"]), logps(inp["ref_hidden"], inp["ref_weight"])
+    delta = (pol[:3] - ref[:3]) - (pol[3:] - ref[3:])
+    assert float(ours(inp)) == pytest.approx(float(-F.logsigmoid(BETA * delta).mean()), rel=1e-6)

@@ -87,7 +87,9 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
               rms_norm_eps=1e-6, tie_word_embeddings=model_type == "gemma",
               hidden_act="gelu_pytorch_tanh" if model_type == "gemma" else "silu")
     if model_type == "qwen3_moe":
-        hf.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+        # every token to every expert: a top-k pick flipped by bf16 rounding between the two graphs would move a
+        # token's output and gradients far past the bound (flips moved the embedding gradient by 6e-2 on an H200)
+        hf.update(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True,
                   output_router_logits=True, router_aux_loss_coef=0.01)
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -97,9 +99,6 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
             add_lora(model, r=16, alpha=32, targets=["q", "k", "v", "o", "gate", "up", "down"])
             for m in lora_modules(model).values():
                 torch.nn.init.normal_(m.lora_B, std=0.02)
-        for m in model.modules():  # decisive routing: bf16 rounding between eager and compiled picks no other expert
-            if hasattr(m, "router"):
-                torch.nn.init.normal_(m.router.weight, std=1.0)
     ids = torch.randint(0, 1000, (2, 300), device="cuda")
 
     def loss_and_grads(fn):
@@ -110,8 +109,8 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
 
     eager = loss_and_grads(model.loss)
     compiled = loss_and_grads(torch.compile(model.loss, fullgraph=True))
-    # bf16 rounding between the eager and compiled graphs; the MoE model's q/k-norm weight gradients, sums over every
-    # token of values that went through 8 experts' GEMMs, differed by 1.2e-2 on an H200
-    bound = 2e-2 if model_type == "qwen3_moe" else 1e-2
+    # bf16 rounding between the eager and compiled graphs; Qwen3's k-norm weight gradient (a sum over every token
+    # and head, rounded to bf16) differed by 1.2e-2 on an H200
+    bound = 2e-2 if model_type.startswith("qwen3") else 1e-2
     for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):
         assert rel_err(a, b) <= bound, f"tensor {i} (0 = loss, then parameter gradients): {rel_err(a, b):.2e}"

@@ -24,6 +24,8 @@ gradient (one KV head of 16) holds too few elements for one batch to measure its
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,7 @@ import transformers
 
 from ligermodels import CausalLM
 from ligermodels.hf_io import hf_tensors
-from tests.test_models import CASES, _batch, make_hf_checkpoint
+from tests.test_models import CASES, _batch, hub_layout, make_hf_checkpoint
 from tests.utils import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 numerics on the GPU: needs CUDA")
@@ -84,7 +86,8 @@ def _run_hf(model, ids: torch.Tensor, labels: torch.Tensor, backward: bool = Tru
     out.loss.backward()
     logits = out.logits.detach()
     return {"logits": logits, "token_loss": _token_losses(logits, labels), "loss": out.loss.detach().float(),
-            "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
+            "grads": hub_layout({name: p.grad.clone() for name, p in model.named_parameters()},
+                                model.config.model_type)}
 
 
 def _run_ours(model: CausalLM, ids: torch.Tensor, labels: torch.Tensor, backward: bool = True) -> dict:
@@ -140,10 +143,16 @@ def compare_bf16_with_transformers(case: str, directory: str, device: str = "cud
     errs["loss"] = (rel_err(o, r), rel_err(h, r))
     names = set(ref[0]["grads"])
     assert set(ours[0]["grads"]) == names == set(hf[0]["grads"])
+    # A mixture-of-experts layer's experts count as one tensor per projection: which tokens' top-k picks bf16
+    # rounding flips (in either implementation) moves gradient between experts, so one expert's error is noise
+    groups: dict[str, list[str]] = {}
     for name in sorted(names):
-        r, h, o = (torch.stack([x["grads"][name] for x in runs_[:grad_batches]]) for runs_ in (ref, hf, ours))
-        assert o.shape == r.shape, name
-        errs[f"grad {name}"] = (rel_err(o, r), rel_err(h, r))
+        groups.setdefault(re.sub(r"experts\.\d+\.", "experts.*.", name), []).append(name)
+    for group, members in groups.items():
+        r, h, o = (torch.stack([torch.cat([x["grads"][n].flatten() for n in members]) for x in runs_[:grad_batches]])
+                   for runs_ in (ref, hf, ours))
+        assert o.shape == r.shape, group
+        errs[f"grad {group}"] = (rel_err(o, r), rel_err(h, r))
     return errs
 
 

@@ -242,6 +242,8 @@ def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing
     with torch.no_grad():  # the trainer's share of one micro-batch of several
         quarter = model.loss(ids, ids, router_aux_scale=0.25)
     assert quarter.item() == pytest.approx(cross_entropy.item() + 0.25 * 0.5 * aux.item(), rel=1e-6)
+    with torch.no_grad():  # per-token losses are the cross-entropy alone: the aux term is the batch's, not a token's
+        assert torch.equal(model.loss(ids, ids, reduction="none"), plain.loss(ids, ids, reduction="none"))
 
 
 @pytest.mark.parametrize("model_type, field, value", [
