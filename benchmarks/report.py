@@ -26,7 +26,7 @@ TARGETS = {
     "README.md": ("headline",),
     "docs/performance.md": ("summary", "training", "lora", "step", "scale", "attention", "kernels", "flce",
                             "linear", "decode"),
-    "docs/preference.md": ("preference",),
+    "docs/preference.md": ("preference", "dpo_head"),
     "docs/moe.md": ("moe",),
 }
 #: Display names of the benchmark shapes (public configs, benchmarks/common.py MODELS).
@@ -793,6 +793,26 @@ def preference_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def dpo_head_table(d: dict) -> str:
+    """bench_dpo_head: the DPO loss head alone, ours against LigerFusedLinearDPOLoss, per output head."""
+    st = d["settings"]
+    lines = [f"The DPO loss head alone on {d['gpu']}, {st['dtype']}: {st['pairs']} pairs of {st['prompt_tokens']} "
+             f"prompt + {st['completion_tokens']} completion tokens, policy log-probs with gradients, reference "
+             f"log-probs without, sigmoid DPO (beta {st['beta']}); forward + backward. Wall time with the host; GPU "
+             "time of the same call; peak memory beyond the inputs and the gradient buffers (GB = 1e9 B).", "",
+             "| head (V x H) | implementation | loss | wall ms | GPU ms | peak extra GB |", "|---|---|---|---|---|---|"]
+    names = {"ligermodels": "ligermodels (`fused_linear_logprobs` + `dpo_terms`)",
+             "liger-kernel": f"Liger-Kernel {d.get('liger_kernel') or ''} `LigerFusedLinearDPOLoss`".replace("  ", " ")}
+    for r in d["rows"]:
+        head = f"{_name(r['head'])} ({r.get('vocab', '?')} x {r.get('hidden', '?')})"
+        if "error" in r:
+            lines.append(f"| {head} | {names.get(r['impl'], r['impl'])} | failed | | | |")
+        else:
+            lines.append(f"| {head} | {names.get(r['impl'], r['impl'])} | {r['loss']:.4f} | {r['ms']:.1f} | "
+                         f"{r['kernel_ms']:.1f} | {r['peak_extra_gb']:.2f} |")
+    return "\n".join(lines + _sources([d]))
+
+
 # ------------------------------------------------------------------------------------------ mixture of experts
 def moe_kernels_table(d: dict) -> str:
     """bench_moe's rows: the data movement ops against eager PyTorch, the grouped GEMMs against a dense GEMM of the
@@ -852,7 +872,7 @@ def blocks() -> dict[str, str]:
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
             "decode": _newest("decode", decode_table), "preference": _newest("preference", preference_table),
-            "moe": moe()}
+            "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table)}
 
 
 def render(text: str, names: tuple[str, ...], generated: dict[str, str], path: str = "") -> str:
