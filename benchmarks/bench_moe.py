@@ -92,8 +92,8 @@ def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
                          permute_bytes, copy_gbs))
 
     y = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16)
-    token = torch.empty_like(pos).view(-1).scatter_(0, pos.view(-1), torch.arange(tokens, device="cuda")
-                                                    .repeat_interleave(k))
+    token = torch.empty(tokens * k, dtype=torch.long, device="cuda").scatter_(
+        0, pos.reshape(-1).long(), torch.arange(tokens, device="cuda").repeat_interleave(k))
 
     def eager_combine():
         out = torch.zeros(tokens, hidden, device="cuda", dtype=torch.float32)
