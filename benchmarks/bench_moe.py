@@ -9,11 +9,10 @@ same run, for the fewest bytes each op must move):
 
 * ``route``: ``kernels.moe``'s fused softmax + top-k + renormalisation on the (T, E) logits, against the same in
   eager PyTorch (what transformers runs). Bytes: the logits read, fp32 weights and int32 ids written.
-* ``permute``: everything between the routing and the first grouped GEMM: the block counts' ``cumsum`` and the
-  permutation kernel (each pick's row, each row's pick, the experts' end rows, each token's k rows written). Bytes:
-  x read once, T*k rows written (the int32 index tensors not counted). Against eager PyTorch's ``argsort`` +
-  ``index_select``.
-* ``expand`` alone: the copy with the rows known (the backward's), for scale. Bytes: x read once, T*k rows written.
+* ``permute``: sorting the T*k picks by expert, their positions and group ends, and ``expand`` writing each token's
+  k rows: everything between the routing and the first grouped GEMM. Bytes: x read once, T*k rows written. Against
+  eager PyTorch's ``argsort`` + ``index_select``.
+* ``expand`` alone: the permutation's copy without the sort. Bytes: x read once, T*k rows written.
 * ``combine``: each token's k rows summed (fp32) into its output row. Bytes: T*k rows read, T rows written. Against
   eager ``index_add_`` in fp32 and a cast.
 * ``grouped_gemm``: gate/up and down of the sorted rows, forward (``fwd``), input gradient (``dgrad``) and weight
@@ -43,15 +42,23 @@ SHAPES = {"qwen3-30b-a3b": (2048, 128, 768, 8, True, "qwen3_moe"),
 
 
 def _routed(tokens: int, hidden: int, experts: int, k: int, norm: bool):
-    """(x, router, logits, weights, ids, block counts, pos, offs) of random tokens through a random router."""
-    from kernels.moe import RouteFunction, _permute
+    """(x, logits, weights, ids, pos, offs) of random tokens through a random router."""
+    from kernels.moe import RouteFunction
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     router = torch.randn(experts, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5
     logits = F.linear(x, router)
-    weights, ids, counts = RouteFunction.apply(logits, k, norm)
-    _, pos, _, offs = _permute(x, ids, counts)
-    return x, router, logits, weights, ids, counts, pos, offs
+    weights, ids = RouteFunction.apply(logits, k, norm)
+    pos, offs = _sorted(ids, experts)
+    return x, router, logits, weights, ids, pos, offs
+
+
+def _sorted(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_mlp's step 2: (pos (T, k), offs (E,) int32)."""
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
+    offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=ids.device, dtype=ids.dtype), right=True)
+    return pos.view(ids.shape), offs.to(torch.int32)
 
 
 def _row(base: dict, pas: str, fn, nbytes: int, copy_gbs: float) -> dict:
@@ -59,10 +66,10 @@ def _row(base: dict, pas: str, fn, nbytes: int, copy_gbs: float) -> dict:
 
 
 def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
-    from kernels.moe import _combine, _expand, _permute, _route_fwd
+    from kernels.moe import _combine, _expand, _route_fwd
 
     hidden, experts, inter, k, norm, _ = SHAPES[name]
-    x, _, logits, _, ids, counts, pos, _ = _routed(tokens, hidden, experts, k, norm)
+    x, _, logits, _, ids, pos, _ = _routed(tokens, hidden, experts, k, norm)
     shape = f"{name}: T {tokens}, H {hidden}, E {experts}, k {k}"
     rows = []
 
@@ -71,16 +78,18 @@ def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
         w, i = torch.topk(p, k, dim=-1)
         return (w / w.sum(-1, keepdim=True) if norm else w), i
 
-    route_bytes = tokens * experts * 2 + tokens * k * 8  # the block counts (tokens / 32 x E int32) not counted
+    route_bytes = tokens * experts * 2 + tokens * k * 8
     for impl, fn in (("ligermodels", lambda: _route_fwd(logits, k, norm)), ("torch-eager", eager_route)):
         rows.append(_row({"op": "route", "shape": shape, "dtype": "bfloat16", "impl": impl}, "fwd", fn,
                          route_bytes, copy_gbs))
 
     def ours_permute():
-        return _permute(x, ids, counts)
+        p, offs = _sorted(ids, experts)
+        return _expand(x, p), offs
 
+    p0, _ = _sorted(ids, experts)
     rows.append(_row({"op": "expand", "shape": shape, "dtype": "bfloat16", "impl": "ligermodels"}, "fwd",
-                     lambda: _expand(x, pos), tokens * hidden * 2 * (1 + k), copy_gbs))
+                     lambda: _expand(x, p0), tokens * hidden * 2 * (1 + k), copy_gbs))
 
     def eager_permute():
         order = torch.argsort(ids.reshape(-1), stable=True)
@@ -92,8 +101,8 @@ def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
                          permute_bytes, copy_gbs))
 
     y = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16)
-    token = torch.empty(tokens * k, dtype=torch.long, device="cuda").scatter_(
-        0, pos.reshape(-1).long(), torch.arange(tokens, device="cuda").repeat_interleave(k))
+    token = torch.empty_like(pos).view(-1).scatter_(0, pos.view(-1), torch.arange(tokens, device="cuda")
+                                                    .repeat_interleave(k))
 
     def eager_combine():
         out = torch.zeros(tokens, hidden, device="cuda", dtype=torch.float32)
@@ -119,7 +128,7 @@ def _gemm_passes(m: int, n: int, kk: int, experts: int, offs: torch.Tensor) -> d
 
 def gemm_rows(name: str, tokens: int) -> list[dict]:
     hidden, experts, inter, k, norm, _ = SHAPES[name]
-    offs = _routed(tokens, hidden, experts, k, norm)[-1]
+    _, _, _, _, _, _, offs = _routed(tokens, hidden, experts, k, norm)
     m = tokens * k
     rows = []
     for proj, n, kk in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):

@@ -12,26 +12,22 @@ The kernel path (:func:`moe_mlp` on CUDA, or through the interpreter), with no h
 experts in Python:
 
 1. ``route``: one Triton kernel takes the (T, E) logits to fp32 softmax, top-k (ties to the lower expert id) and the
-   renormalisation: (T, k) fp32 weights and int32 expert ids, and each block of 32 tokens' picks per expert. Its
-   backward needs only the weights and ids when ``norm_topk`` (the renormalised weights are the softmax of the k
-   picked logits), the logits otherwise.
-2. ``permute``: the block counts, summed down the blocks (one ``cumsum``), give each expert's first row and each
-   block's first row within it; one kernel then gives every pick its row in expert order (ties by token, as a
-   stable sort: ``pos[t, j]``, and ``order``, each row's pick), each expert's end row (``offs``), and copies each
-   token's row to its k rows (one read of x, k writes). No sort, no host read.
-3. Grouped GEMMs (``torch._grouped_mm``, CUTLASS on sm90) for gate/up and down over the sorted rows.
-4. ``scaled_glu``: ``act(gate) * up * p`` in fp32, rounded once, p read through ``order``: the routing weight is
-   applied here, to the down projection's input, not to its output. Its backward kernel returns the weight's
-   gradient (the row's dot product of the incoming gradient with ``act(gate) * up``, written back in token order)
-   from values it has in registers, and writes the activation again for the down projection's weight gradient, so
-   neither the activation nor the down projection's output is kept for backward (transformers scales the output:
-   the same sum, rounded at another point in bf16).
-5. ``combine``: each token's k rows summed in fp32 and rounded once, the un-permutation; its backward is
-   ``expand`` (the permutation's copy with known rows), and ``expand``'s is ``combine``: gathers, no atomics, so
-   gradients are deterministic.
+   renormalisation: (T, k) fp32 weights and int32 expert ids. Its backward needs only the weights and ids when
+   ``norm_topk`` (the renormalised weights are the softmax of the k picked logits), the logits otherwise.
+2. The M pairs are sorted by expert (``torch.sort``, stable); ``pos[t, j]`` is pair (t, j)'s row in that order and
+   ``offs[e]`` the end of expert e's rows (``searchsorted``): device tensors, never read on the host.
+3. ``expand``: x's rows copied to their k sorted rows (one read of x, k writes), the permutation.
+4. Grouped GEMMs (``torch._grouped_mm``, CUTLASS on sm90) for gate/up and down over the sorted rows.
+5. ``scaled_glu``: ``act(gate) * up * p`` in fp32, rounded once: the routing weight is applied here, to the down
+   projection's input, not to its output. Its backward kernel returns the weight's gradient (the row's dot product
+   of the incoming gradient with ``act(gate) * up``) from values it has in registers, and writes the activation
+   again for the down projection's weight gradient, so neither the activation nor the down projection's output is
+   kept for backward (transformers scales the output: the same sum, rounded at another point in bf16).
+6. ``combine``: each token's k rows summed in fp32 and rounded once, the un-permutation; its backward is
+   ``expand``, and ``expand``'s is ``combine``: a gather each, with no atomics, so gradients are deterministic.
 
-Saved for backward: x (which the router keeps anyway), the routing weights, ``pos``, ``order`` and ``offs``, and the
-(M, 2*I) gate/up output; the expanded rows are copied again in backward. Grouped GEMMs need 16-byte-aligned rows (H and I multiples of
+Saved for backward: x (which the router keeps anyway), the sorted weights and indices, and the (M, 2*I) gate/up
+output; the expanded rows are copied again in backward. Grouped GEMMs need 16-byte-aligned rows (H and I multiples of
 8 in bf16) and bf16 on CUDA (fp32 or bf16 on the CPU); other cases (float64 tests, odd sizes) loop over the experts
 with their row counts read on the host.
 
@@ -101,11 +97,10 @@ _ACT_IDS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}
 
 
 @triton.jit
-def _route_fwd_kernel(l_ptr, w_ptr, id_ptr, cnt_ptr, n_tokens, n_experts, K: tl.constexpr, KP: tl.constexpr,
+def _route_fwd_kernel(l_ptr, w_ptr, id_ptr, n_tokens, n_experts, K: tl.constexpr, KP: tl.constexpr,
                       NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """Softmax over each row of logits, its K largest probabilities (first the lower id on ties), renormalised when
-    NORM: weights (T, K) in w's dtype, ids (T, K) int32; and this block of BLOCK_T tokens' picks per expert,
-    counts row ``program_id`` (n_blocks, E) int32, which :func:`_permute_kernel` turns into sorted positions."""
+    NORM: weights (T, K) in w's dtype, ids (T, K) int32."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < n_tokens
@@ -129,12 +124,6 @@ def _route_fwd_kernel(l_ptr, w_ptr, id_ptr, cnt_ptr, n_tokens, n_experts, K: tl.
     kmask = rmask[:, None] & (kc < K)
     tl.store(w_ptr + rows[:, None] * K + kc, wk, mask=kmask)
     tl.store(id_ptr + rows[:, None] * K + kc, ik, mask=kmask)
-    picked = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
-    for j in tl.static_range(K):
-        ij = tl.sum(tl.where(kc == j, ik, 0), axis=1)
-        picked += (cols[None, :] == ij[:, None]).to(tl.int32)
-    counts = tl.sum(tl.where(rmask[:, None], picked, 0), axis=0)
-    tl.store(cnt_ptr + tl.program_id(0) * n_experts + cols, counts, mask=cols < n_experts)
 
 
 @triton.jit
@@ -180,54 +169,6 @@ def _expand_kernel(x_ptr, pos_ptr, o_ptr, n_cols, K: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def _permute_kernel(x_ptr, id_ptr, cum_ptr, o_ptr, pos_ptr, order_ptr, offs_ptr, n_tokens, n_cols, n_experts,
-                    n_blocks, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                    COLS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Sorted rows of this block of BLOCK_T tokens' picks, and the copies into them. Rows are ordered by expert,
-    then by token (a token picks an expert at most once): pick (t, j) of expert e goes to row ``start[e] +
-    (picks of e in earlier blocks) + (tokens before t in this block that picked e)``, from ``cum`` (n_blocks, E),
-    the per-block counts summed down the blocks. Copies x[t] into each of t's K rows (columns split over the grid's
-    second axis, COLS each); the first column program writes pos[t, j] and order[row] = t * K + j, and block 0
-    offs[e], the end row of expert e."""
-    b = tl.program_id(0)
-    rows = b * BLOCK_T + tl.arange(0, BLOCK_T)
-    rmask = rows < n_tokens
-    ecols = tl.arange(0, BLOCK_E)[None, :]
-    emask = ecols < n_experts
-    totals = tl.load(cum_ptr + (n_blocks - 1) * n_experts + ecols, mask=emask, other=0)  # (1, E) picks of e
-    mine = tl.load(cum_ptr + b * n_experts + ecols, mask=emask, other=0)  # picks of e in blocks 0..b
-    kc = tl.arange(0, KP)[None, :]
-    ids = tl.load(id_ptr + rows[:, None].to(tl.int64) * K + kc, mask=rmask[:, None] & (kc < K), other=-1)
-    picked = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
-    for j in tl.static_range(K):
-        picked += (ecols == tl.sum(tl.where(kc == j, ids, 0), axis=1)[:, None]).to(tl.int32)
-    picked = tl.where(rmask[:, None], picked, 0)
-    before = tl.cumsum(picked, axis=0) - picked  # tokens before t in this block that picked e
-    here = tl.sum(picked, axis=0)[None, :]
-    ends = tl.cumsum(totals, axis=1)
-    if b == 0:
-        tl.store(offs_ptr + ecols, ends, mask=emask)
-    starts = ends - totals
-    first = starts + mine - here  # (1, E): the row of this block's first pick of each expert
-    rowk = tl.zeros([BLOCK_T, KP], dtype=tl.int32)  # the sorted row of each pick
-    for j in tl.static_range(K):
-        e_j = tl.sum(tl.where(kc == j, ids, 0), axis=1)[:, None]
-        rowk = tl.where(kc == j, tl.sum(tl.where(ecols == e_j, first + before, 0), axis=1)[:, None], rowk)
-    c_start = tl.program_id(1) * COLS
-    for c0 in range(c_start, tl.minimum(c_start + COLS, n_cols), BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)[None, :]
-        cmask = rmask[:, None] & (cols < n_cols)
-        v = tl.load(x_ptr + rows[:, None].to(tl.int64) * n_cols + cols, mask=cmask)
-        for j in tl.static_range(K):
-            row = tl.sum(tl.where(kc == j, rowk, 0), axis=1).to(tl.int64)
-            tl.store(o_ptr + row[:, None] * n_cols + cols, v, mask=cmask)
-    if tl.program_id(1) == 0:
-        kmask = rmask[:, None] & (kc < K)
-        tl.store(pos_ptr + rows[:, None].to(tl.int64) * K + kc, rowk, mask=kmask)
-        tl.store(order_ptr + rowk.to(tl.int64), rows[:, None] * K + kc, mask=kmask)
-
-
-@triton.jit
 def _combine_kernel(y_ptr, pos_ptr, o_ptr, n_cols, K: tl.constexpr, BLOCK: tl.constexpr):
     """o[t] = sum_j y[pos[t, j]], summed in fp32 (float64 for float64) and rounded once."""
     t = tl.program_id(0).to(tl.int64)
@@ -241,15 +182,13 @@ def _combine_kernel(y_ptr, pos_ptr, o_ptr, n_cols, K: tl.constexpr, BLOCK: tl.co
 
 
 @triton.jit
-def _scaled_glu_fwd_kernel(h_ptr, w_ptr, order_ptr, a_ptr, n_rows, n_cols, ACT: tl.constexpr, BLOCK_R: tl.constexpr,
+def _scaled_glu_fwd_kernel(h_ptr, w_ptr, a_ptr, n_rows, n_cols, ACT: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_C: tl.constexpr):
-    """a = act(gate) * up * w over a tile; h rows are [gate | up] (2 * n_cols); row r's weight is
-    ``w[order[r]]`` (the routing weights in token order)."""
+    """a = act(gate) * up * w over a tile; h rows are [gate | up] (2 * n_cols), w one weight a row."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     mask = (rows < n_rows) & (cols < n_cols)
-    src = tl.load(order_ptr + rows, mask=rows < n_rows, other=0).to(tl.int64)
-    w = tl.load(w_ptr + src, mask=rows < n_rows, other=0.0)
+    w = tl.load(w_ptr + rows, mask=rows < n_rows, other=0.0)
     g = tl.load(h_ptr + rows * 2 * n_cols + cols, mask=mask, other=0.0).to(w.dtype)
     u = tl.load(h_ptr + rows * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(w.dtype)
     a, _ = _activation(g, ACT)
@@ -257,15 +196,13 @@ def _scaled_glu_fwd_kernel(h_ptr, w_ptr, order_ptr, a_ptr, n_rows, n_cols, ACT: 
 
 
 @triton.jit
-def _scaled_glu_bwd_kernel(da_ptr, h_ptr, w_ptr, order_ptr, dh_ptr, a_ptr, dw_ptr, n_rows, n_cols,
-                           ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """For a = act(g) * u * w: dg, du into dh's [gate | up] rows, dw = sum over the row of da * act(g) * u (stored
-    at ``order[r]``, in token order: each once), and a written again (the down projection's weight gradient needs
-    it). Each program walks its rows' columns."""
+def _scaled_glu_bwd_kernel(da_ptr, h_ptr, w_ptr, dh_ptr, a_ptr, dw_ptr, n_rows, n_cols, ACT: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """For a = act(g) * u * w: dg, du into dh's [gate | up] rows, dw = sum over the row of da * act(g) * u, and a
+    written again (the down projection's weight gradient needs it). Each program walks its rows' columns."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None]
     rmask = rows < n_rows
-    src = tl.load(order_ptr + rows, mask=rmask, other=0).to(tl.int64)
-    w = tl.load(w_ptr + src, mask=rmask, other=0.0)
+    w = tl.load(w_ptr + rows, mask=rmask, other=0.0)
     dw = tl.zeros([BLOCK_R, 1], dtype=w.dtype)
     for c0 in range(0, n_cols, BLOCK_C):
         cols = (c0 + tl.arange(0, BLOCK_C))[None, :]
@@ -278,58 +215,27 @@ def _scaled_glu_bwd_kernel(da_ptr, h_ptr, w_ptr, order_ptr, dh_ptr, a_ptr, dw_pt
         tl.store(dh_ptr + rows * 2 * n_cols + cols, (d * w * u * da).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_ptr + rows * 2 * n_cols + n_cols + cols, (d * w * a).to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(a_ptr + rows * n_cols + cols, (a * u * w).to(a_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_ptr + src, dw, mask=rmask)
+    tl.store(dw_ptr + rows, dw, mask=rmask)
 
 
 # ------------------------------------------------------------------------------------ custom ops
-#: Tokens per routing block: the routing kernel counts each block's picks per expert, the permutation kernel turns
-#: the counts into sorted rows block by block (both launch one program per block).
-_TOKENS = 32
-#: Columns the permutation copies per program (its grid's second axis), in chunks of up to _PERMUTE_CHUNK.
-_PERMUTE_COLS = 512
-_PERMUTE_CHUNK = 128
-
-
 def _route_tile(experts: int) -> dict:
-    return {"BLOCK_E": row_block(experts), "BLOCK_T": _TOKENS, "num_warps": 4}
+    block_e = row_block(experts)
+    return {"BLOCK_E": block_e, "BLOCK_T": max(1, 2048 // block_e), "num_warps": 4}
 
 
 @eager_op
 @triton_op(f"{LIB}::moe_route_fwd", mutates_args={})
-def _route_fwd(logits: torch.Tensor, top_k: int, norm_topk: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weights (T, k) fp32 / float64, expert ids (T, k) int32, picks per expert of each block of ``_TOKENS`` tokens
-    (blocks, E) int32) of contiguous (T, E) logits."""
+def _route_fwd(logits: torch.Tensor, top_k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights (T, k) fp32 / float64, expert ids (T, k) int32) of contiguous (T, E) logits."""
     t, e = logits.shape
     weights = torch.empty(t, top_k, dtype=compute_dtype(logits.dtype), device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
-    counts = torch.empty(triton.cdiv(t, _TOKENS), e, dtype=torch.int32, device=logits.device)
     if t:
         tile = _route_tile(e)
-        wrap_triton(_route_fwd_kernel)[(counts.shape[0],)](
-            logits, weights, ids, counts, t, e, K=top_k, KP=row_block(top_k), NORM=norm_topk, **tile)
-    return weights, ids, counts
-
-
-@eager_op
-@triton_op(f"{LIB}::moe_permute", mutates_args={})
-def _permute(x: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x's rows in expert order (T*k, H), pos (T, k) int32: the row of each pick, order (T*k,) int32: the pick
-    (t * k + j) of each row, offs (E,) int32: each expert's end row) from the routing's ids and block counts."""
-    t, h = x.shape
-    k, e = ids.shape[1], counts.shape[1]
-    out = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
-    pos = torch.empty(t, k, dtype=torch.int32, device=x.device)
-    order = torch.empty(t * k, dtype=torch.int32, device=x.device)
-    offs = torch.zeros(e, dtype=torch.int32, device=x.device)
-    if t:
-        cum = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        chunk = min(_PERMUTE_CHUNK, row_block(h))
-        wrap_triton(_permute_kernel)[(counts.shape[0], max(1, triton.cdiv(h, _PERMUTE_COLS)))](
-            x, ids, cum, out, pos, order, offs, t, h, e, counts.shape[0], K=k, KP=row_block(k), BLOCK_T=_TOKENS,
-            BLOCK_E=row_block(e), COLS=_PERMUTE_COLS, BLOCK_C=chunk, num_warps=4)
-    return out, pos, order, offs
+        wrap_triton(_route_fwd_kernel)[(triton.cdiv(t, tile["BLOCK_T"]),)](
+            logits, weights, ids, t, e, K=top_k, KP=row_block(top_k), NORM=norm_topk, **tile)
+    return weights, ids
 
 
 @eager_op
@@ -341,7 +247,7 @@ def _route_bwd(dweights: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     dlogits = torch.empty_like(logits)
     if t:
         tile = _route_tile(e)
-        wrap_triton(_route_bwd_kernel)[(triton.cdiv(t, _TOKENS),)](
+        wrap_triton(_route_bwd_kernel)[(triton.cdiv(t, tile["BLOCK_T"]),)](
             dweights.contiguous(), weights, ids, logits, dlogits, t, e, K=ids.shape[1], KP=row_block(ids.shape[1]),
             NORM=norm_topk, **tile)
     return dlogits
@@ -386,23 +292,22 @@ def _glu_tile(rows: int, cols: int) -> tuple[int, int, int]:
 
 @eager_op
 @triton_op(f"{LIB}::moe_scaled_glu_fwd", mutates_args={})
-def _scaled_glu_fwd(h: torch.Tensor, w: torch.Tensor, order: torch.Tensor, act: int) -> torch.Tensor:
-    """(M, I) act(gate) * up * w[order] of packed (M, 2*I) ``h``, routing weights ``w`` (M,) in token order and
-    each row's pick ``order`` (M,)."""
+def _scaled_glu_fwd(h: torch.Tensor, w: torch.Tensor, act: int) -> torch.Tensor:
+    """(M, I) act(gate) * up * w of packed (M, 2*I) ``h`` and (M,) weights ``w``."""
     m, cols = h.shape[0], h.shape[1] // 2
     out = torch.empty(m, cols, dtype=h.dtype, device=h.device)
     if out.numel():
         br, bc, warps = _glu_tile(m, cols)
         wrap_triton(_scaled_glu_fwd_kernel)[(triton.cdiv(m, br), triton.cdiv(cols, bc))](
-            h, w, order, out, m, cols, ACT=act, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+            h, w, out, m, cols, ACT=act, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
     return out
 
 
 @eager_op
 @triton_op(f"{LIB}::moe_scaled_glu_bwd", mutates_args={})
-def _scaled_glu_bwd(da: torch.Tensor, h: torch.Tensor, w: torch.Tensor, order: torch.Tensor, act: int
+def _scaled_glu_bwd(da: torch.Tensor, h: torch.Tensor, w: torch.Tensor, act: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dh (M, 2*I), dw (M,) in w's dtype and token order, the forward output again (M, I))."""
+    """(dh (M, 2*I), dw (M,) in w's dtype, the forward output again (M, I))."""
     m, cols = h.shape[0], h.shape[1] // 2
     dh, dw = torch.empty_like(h), torch.empty_like(w)
     a = torch.empty(m, cols, dtype=h.dtype, device=h.device)
@@ -410,7 +315,7 @@ def _scaled_glu_bwd(da: torch.Tensor, h: torch.Tensor, w: torch.Tensor, order: t
         br, bc, warps = _glu_tile(m, cols)
         br = min(br, 16)
         wrap_triton(_scaled_glu_bwd_kernel)[(triton.cdiv(m, br),)](
-            da.contiguous(), h, w, order, dh, a, dw, m, cols, ACT=act, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
+            da.contiguous(), h, w, dh, a, dw, m, cols, ACT=act, BLOCK_R=br, BLOCK_C=bc, num_warps=warps)
     return dh, dw, a
 
 
@@ -474,48 +379,45 @@ def grouped_linear_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Te
 
 # ------------------------------------------------------------------------------------- autograd
 class RouteFunction(torch.autograd.Function):
-    """``forward(logits (T, E), top_k, norm_topk)`` -> (weights (T, k), ids (T, k) int32, block counts (blocks, E)
-    int32); only the weights are differentiable."""
+    """``forward(logits (T, E), top_k, norm_topk)`` -> (weights (T, k), ids (T, k) int32, not differentiable)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, top_k: int, norm_topk: bool):
-        weights, ids, counts = _route_fwd(logits, top_k, norm_topk)
-        ctx.mark_non_differentiable(ids, counts)
+        weights, ids = _route_fwd(logits, top_k, norm_topk)
+        ctx.mark_non_differentiable(ids)
         ctx.save_for_backward(weights, ids, logits)
         ctx.norm_topk = norm_topk
-        return weights, ids, counts
+        return weights, ids
 
     @staticmethod
-    def backward(ctx, dweights: torch.Tensor, _dids, _dcounts):
+    def backward(ctx, dweights: torch.Tensor, _dids):
         weights, ids, logits = ctx.saved_tensors
         return _route_bwd(dweights, weights, ids, logits, ctx.norm_topk), None, None
 
 
 class ExpertsFunction(torch.autograd.Function):
-    """The experts' half of the MoE MLP on routed tokens: permute, grouped gate/up, scaled GLU, grouped down,
-    combine (module docstring, steps 2-5). ``forward(x (T, H), weights (T, k), ids (T, k), counts (blocks, E),
+    """The experts' half of the MoE MLP on routed tokens: expand, grouped gate/up, scaled GLU, grouped down,
+    combine (module docstring, steps 3-6). ``forward(x (T, H), w_sorted (M,), pos (T, k), offs (E,) int32,
     gate_up (E, 2I, H), down (E, H, I), act)`` -> (T, H)."""
 
     @staticmethod
-    def forward(ctx, x, weights, ids, counts, gate_up, down, act):
-        xs, pos, order, offs = _permute(x, ids, counts)
-        h = grouped_linear(xs, gate_up, offs)
-        del xs
-        y = grouped_linear(_scaled_glu_fwd(h, weights, order, act), down, offs)
-        ctx.save_for_backward(x, weights, pos, order, offs, gate_up, down, h)
+    def forward(ctx, x, w_sorted, pos, offs, gate_up, down, act):
+        h = grouped_linear(_expand(x, pos), gate_up, offs)
+        y = grouped_linear(_scaled_glu_fwd(h, w_sorted, act), down, offs)
+        ctx.save_for_backward(x, w_sorted, pos, offs, gate_up, down, h)
         ctx.act = act
         return _combine(y, pos)
 
     @staticmethod
     def backward(ctx, dout):
-        x, weights, pos, order, offs, gate_up, down, h = ctx.saved_tensors
+        x, w_sorted, pos, offs, gate_up, down, h = ctx.saved_tensors
         dy = _expand(dout.contiguous(), pos)
-        dh, dw, a = _scaled_glu_bwd(grouped_linear_input_grad(dy, down, offs), h, weights, order, ctx.act)
+        dh, dw, a = _scaled_glu_bwd(grouped_linear_input_grad(dy, down, offs), h, w_sorted, ctx.act)
         d_down = grouped_linear_weight_grad(dy, a, offs) if ctx.needs_input_grad[5] else None
         del dy, a
         d_gate_up = (grouped_linear_weight_grad(dh, _expand(x, pos), offs) if ctx.needs_input_grad[4] else None)
         dx = _combine(grouped_linear_input_grad(dh, gate_up, offs), pos)
-        return dx, dw.view(weights.shape), None, None, d_gate_up, d_down, None
+        return dx, dw, None, None, d_gate_up, d_down, None
 
 
 def moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
@@ -542,8 +444,13 @@ def moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
         return moe_mlp_reference(x, router_weight, gate_up, down, top_k, norm_topk, activation)
     x = x.contiguous()
     logits = F.linear(x, router_weight)
-    weights, ids, counts = RouteFunction.apply(logits, top_k, norm_topk)
-    out = ExpertsFunction.apply(x, weights, ids, counts, gate_up, down, _ACT_IDS[activation])
+    weights, ids = RouteFunction.apply(logits, top_k, norm_topk)
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    offs = torch.searchsorted(sorted_ids, torch.arange(e, device=x.device, dtype=sorted_ids.dtype),
+                              right=True).to(torch.int32)
+    w_sorted = weights.reshape(-1)[order]
+    out = ExpertsFunction.apply(x, w_sorted, pos.view(ids.shape), offs, gate_up, down, _ACT_IDS[activation])
     return out, logits
 
 

@@ -117,33 +117,13 @@ def test_routing_kernel_picks_what_torch_topk_picks_and_breaks_ties_to_the_lower
     logits[1, 5] = logits[1, 9] = 4.0  # a tie at the top: 5 then 9
     assert_triton_runs(logits)
     for norm_topk in (True, False):
-        weights, ids, _ = kernels.moe.RouteFunction.apply(logits, 3, norm_topk)
+        weights, ids = kernels.moe.RouteFunction.apply(logits, 3, norm_topk)
         probs = torch.softmax(logits, dim=-1)
         top = torch.topk(probs, 3, dim=-1)
         expected = top.values / top.values.sum(-1, keepdim=True) if norm_topk else top.values
         assert ids.dtype == torch.int32 and torch.equal(ids[2:].long(), top.indices[2:])
         assert ids[0].tolist() == [0, 1, 2] and ids[1, :2].tolist() == [5, 9]
         assert rel_err(weights, expected) <= 1e-6
-
-
-def test_permutation_groups_rows_by_expert_then_token_across_routing_blocks():
-    """The routing kernel's block counts and the permutation kernel give what a stable sort of the picks by expert
-    gives (several routing blocks, experts without picks): each pick's row, each row's pick, the expert end rows,
-    and x's rows copied there."""
-    t, e, k, h = 3 * kernels.moe._TOKENS + 5, 9, 3, 40
-    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    logits[:, 4] = -30.0  # expert 4 is never picked
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    assert_triton_runs(x)
-    _, ids, counts = kernels.moe.RouteFunction.apply(logits, k, True)
-    xs, pos, order, offs = kernels.moe._permute(x, ids, counts)
-    flat = ids.reshape(-1).long()
-    expected_order = torch.sort(flat, stable=True).indices
-    assert torch.equal(order.long(), expected_order)
-    assert torch.equal(pos.reshape(-1).long()[expected_order], torch.arange(t * k, device=x.device))
-    assert torch.equal(offs.long(), torch.bincount(flat, minlength=e).cumsum(0))
-    assert offs[4] == offs[3]
-    assert torch.equal(xs, x[expected_order // k])
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisation is a CUDA notion")
