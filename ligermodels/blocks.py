@@ -197,7 +197,9 @@ class MoE(nn.Module):
 
     Parameters: ``router.weight`` (E, H); ``experts_gate_up`` (E, 2*I, H), each expert's gate rows then its up
     rows; ``experts_down`` (E, H, I). ``forward(x)`` (B, S, H) -> (B, S, H) keeps the router logits (B*S, E) of
-    the last call in ``router_logits``, for the load-balancing loss (:meth:`CausalLM.router_aux_loss`)."""
+    the last call in ``router_logits``, for the load-balancing loss (:meth:`CausalLM.router_aux_loss`). LoRA on the
+    experts (:func:`ligermodels.lora.add_lora`, target ``experts``) adds each expert's low-rank update to its
+    weights before the experts run, as PEFT's ``target_parameters`` does."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -208,11 +210,19 @@ class MoE(nn.Module):
         self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
         self.experts_down = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.moe_intermediate_size))
+        # LoRA adapters on the stacked experts (ligermodels.lora.LoRAExperts: ``adapted(weight)``), or None
+        self.experts_gate_up_lora: nn.Module | None = None
+        self.experts_down_lora: nn.Module | None = None
         self.router_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, self.router_logits = moe_mlp(x.reshape(-1, x.shape[-1]), self.router.weight, self.experts_gate_up,
-                                          self.experts_down, self.top_k, self.norm_topk, self.activation)
+        gate_up, down = self.experts_gate_up, self.experts_down
+        if self.experts_gate_up_lora is not None:
+            gate_up = self.experts_gate_up_lora.adapted(gate_up)
+        if self.experts_down_lora is not None:
+            down = self.experts_down_lora.adapted(down)
+        out, self.router_logits = moe_mlp(x.reshape(-1, x.shape[-1]), self.router.weight, gate_up, down, self.top_k,
+                                          self.norm_topk, self.activation)
         return out.view(x.shape)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import kernels.moe
 from kernels.moe import load_balancing_loss, moe_mlp, moe_mlp_reference
-from ligermodels import AutoLigerModel, UnsupportedConfigError, config_from_hf
+from ligermodels import AutoLigerModel, MoE, UnsupportedConfigError, config_from_hf
 from tests.test_models import make_hf_checkpoint
 from tests.test_train import ENV, ROOT, TIMEOUT
 from tests.utils import DEVICE, assert_triton_runs, rel_err
@@ -165,6 +165,56 @@ def test_moe_model_generates_what_transformers_generates(case, tmp_path):
     assert torch.equal(ours.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0), theirs)
 
 
+@pytest.mark.parametrize("case", ["qwen3_moe_dense_layer", "mixtral_sliding"])
+def test_expert_lora_matches_peft_target_parameters_and_its_adapters_cross_both_ways(case, tmp_path):
+    """LoRA on q, v and every expert's weights, as PEFT's ``target_parameters`` puts it on transformers' stacked
+    experts: a PEFT adapter loads here with the same logits, loss and adapter gradients (fp32), and the adapter
+    save_lora writes loads in PEFT with the same logits; folded into the weights, the same logits again."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from ligermodels.lora import expert_lora_modules, load_lora, merge_lora, merge_lora_state, save_lora
+
+    base = tmp_path / "base"
+    hf = make_hf_checkpoint(case, str(base))
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "v_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    theirs = peft.get_peft_model(hf, config)
+    with torch.no_grad():  # B starts at zero: give every adapter an effect
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    theirs.save_pretrained(str(tmp_path / "peft"))
+    ours = AutoLigerModel.from_hf(str(base), dtype=torch.float32)
+    load_lora(ours, str(tmp_path / "peft"))
+    assert len(expert_lora_modules(ours)) == 2 * sum(isinstance(layer.mlp, MoE) for layer in ours.layers)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = theirs(input_ids=ids, labels=ids)
+    logits = ours(ids)
+    assert rel_err(logits, out.logits) <= 1e-5
+    loss = ours.loss(ids, ids)
+    assert loss.item() == pytest.approx(out.loss.item(), rel=1e-5)
+    out.loss.backward()
+    loss.backward()
+    save_lora(ours, str(tmp_path / "grads"), state={n: p.grad for n, p in ours.named_parameters() if p.requires_grad})
+    ours_grads = load_file(str(tmp_path / "grads" / "adapter_model.safetensors"))
+    peft_grads = {n.replace(".default", ""): p.grad for n, p in theirs.named_parameters() if "lora_" in n}
+    assert set(ours_grads) == set(peft_grads) and any(".experts.base_layer.lora_A" in k for k in ours_grads)
+    for key, grad in peft_grads.items():
+        assert rel_err(ours_grads[key], grad) <= 1e-4, key
+    save_lora(ours, str(tmp_path / "ours"))
+    again = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(str(base)),
+                                           str(tmp_path / "ours"))
+    with torch.no_grad():
+        assert rel_err(again(input_ids=ids).logits, logits) <= 1e-5
+        # folded into the weights: the trainer's --merge (from a state dict) and merge_lora (in place)
+        plain = AutoLigerModel.from_hf(str(base), dtype=torch.float32)
+        plain.load_state_dict(merge_lora_state(ours.state_dict(), ours))
+        assert rel_err(plain(ids), logits) <= 1e-5
+        assert rel_err(merge_lora(ours)(ids), logits) <= 1e-5 and not expert_lora_modules(ours)
+
+
 def _moe_run_inputs(tmp_path):
     """A tiny Qwen3-MoE checkpoint (with a tokenizer) whose config asks for the load-balancing loss, and data."""
     from tests.test_chat import _checkpoint_dir
@@ -218,7 +268,7 @@ def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing
     d, data = _moe_run_inputs(tmp_path)
     losses = {}
     for name, extra in (("none", ["--ac", "none"]), ("full", ["--ac", "full"]),
-                        ("lora", ["--ac", "full", "--lora-rank", "4", "--lora-targets", "q,v,gate,down"])):
+                        ("lora", ["--ac", "full", "--lora-rank", "4", "--lora-targets", "q,v,gate,down,experts"])):
         out = tmp_path / f"out-{name}"
         res = _train(["--model", d, "--data", str(data), "--out", str(out), "--steps", "2", "--batch-size", "2",
                       "--seq-len", "64", "--dtype", "fp32", "--device", "cpu", "--save-every", "0", "--lr", "1e-3",
@@ -226,10 +276,12 @@ def test_trainer_runs_qwen3_moe_with_the_aux_loss_under_activation_checkpointing
         assert res.returncode == 0, res.stderr[-3000:]
         losses[name] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses["none"] == pytest.approx(losses["full"], rel=1e-6)
-    # LoRA: the adapters start as a no-op (the first loss is the base's) and sit on the dense layer's MLP only
+    # LoRA: the adapters start as a no-op (the first loss is the base's); gate and down on the dense layer's MLP,
+    # experts on the others' stacked experts
     assert losses["lora"][0] == pytest.approx(losses["none"][0], rel=1e-6)
     adapter = json.loads((tmp_path / "out-lora" / "final" / "adapter_config.json").read_text())
     assert sorted(adapter["target_modules"]) == ["down_proj", "gate_proj", "q_proj", "v_proj"]
+    assert adapter["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     model = AutoLigerModel.from_hf(d, dtype=torch.float32)
     assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.5
     plain = type(model)(model.config.replace(output_router_logits=False))
@@ -255,6 +307,23 @@ def test_moe_config_fields_we_do_not_implement_are_refused_by_name(model_type, f
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, field: value}
     with pytest.raises(UnsupportedConfigError, match=field):
         config_from_hf(d)
+
+
+def test_expert_lora_refuses_dropout_and_a_model_without_experts_by_name():
+    from ligermodels.families import family_of
+    from ligermodels.lora import LoRAError, add_lora
+
+    def build(config):
+        return family_of(config.model_type).cls(config)
+
+    moe = config_from_hf({"model_type": "mixtral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    with pytest.raises(LoRAError, match="dropout"):
+        add_lora(build(moe), r=2, dropout=0.1, targets=["q", "experts"])
+    dense = config_from_hf({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2})
+    with pytest.raises(LoRAError, match="experts_gate_up / experts_down projection to adapt .*MoE"):
+        add_lora(build(dense), r=2, targets=["experts"])
 
 
 def test_cuda_graph_refuses_a_mixture_of_experts_model_without_sm90_grouped_gemms_by_name(monkeypatch):

@@ -110,7 +110,8 @@ class TrainConfig:
     lora_alpha: float = _flag(16.0, "LoRA scale numerator: the adapters' output is scaled by alpha / rank")
     lora_dropout: float = _flag(0.0, "LoRA: dropout probability on the adapters' input")
     lora_targets: str = _flag("q,k,v,o,gate,up,down", "LoRA: comma-separated projections among q,k,v,o,gate,up,"
-                                                      "down (PEFT's q_proj ... accepted)")
+                                                      "down (PEFT's q_proj ... accepted), and experts (every "
+                                                      "expert's weights of a mixture-of-experts model)")
     merge: bool = _flag(False, "LoRA: also write OUT/merged, the base with the adapters folded in, as a plain HF "
                                "checkpoint")
     attention: str = _flag("documents", "documents: a token attends within its own document of the packed row; "
