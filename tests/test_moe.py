@@ -7,6 +7,7 @@ tests/test_models.py, cases qwen3_moe_* and mixtral_*.)"""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -243,22 +244,38 @@ def _train(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
 def test_two_fsdp_ranks_take_the_steps_of_one_rank_with_gradient_accumulation(tmp_path, lora):
     """FSDP2 shards the stacked experts (and their adapters) as any weight, and the load-balancing term is the mean
     over a step's micro-batches whether they are split over ranks or accumulated on one: 2 ranks x 1 micro-batch and
-    1 rank x 2 micro-batches log the same losses and end in the same weights, or adapters (fp32, gloo)."""
+    1 rank x 2 micro-batches log the same losses and end in the same weights, or adapters (fp32, gloo); and the
+    one-rank run resumed from its step-2 checkpoint ends in its weights exactly."""
     from safetensors.torch import load_file
 
     d, data = _moe_run_inputs(tmp_path)
     outs = {}
     extra = ["--lora-rank", "4", "--lora-targets", "q,experts", "--lr", "1e-2"] if lora else ["--lr", "1e-3"]
+
+    def flags(out, accum):
+        return ["--model", d, "--data", str(data), "--out", str(out), "--steps", "3", "--batch-size", "1",
+                "--grad-accum", accum, "--seq-len", "32", "--dtype", "fp32", "--device", "cpu", "--save-every", "2",
+                *extra]
+
     for name, nproc, accum in (("one", 1, "2"), ("two", 2, "1")):
         outs[name] = tmp_path / name
-        res = _train(["--model", d, "--data", str(data), "--out", str(outs[name]), "--steps", "3", "--batch-size",
-                      "1", "--grad-accum", accum, "--seq-len", "32", "--dtype", "fp32", "--device", "cpu",
-                      "--save-every", "0", *extra], nproc)
+        res = _train(flags(outs[name], accum), nproc)
         assert res.returncode == 0, res.stderr[-3000:]
     losses = {n: [json.loads(line)["loss"] for line in (o / "metrics.jsonl").read_text().splitlines()]
               for n, o in outs.items()}
     assert losses["one"] == pytest.approx(losses["two"], rel=1e-5)
     weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    # resumed from its step-2 checkpoint, the one-rank run ends in the same weights, bit for bit
+    resumed = tmp_path / "resumed"
+    shutil.copytree(outs["one"], resumed)
+    shutil.rmtree(resumed / "final")
+    for ckpt in (resumed / "checkpoints").iterdir():
+        if ckpt.name != "step_00000002":
+            shutil.rmtree(ckpt)
+    res = _train([*flags(resumed, "2"), "--resume"])
+    assert res.returncode == 0 and "(step 2)" in res.stdout, res.stderr[-3000:]
+    again, first = (load_file(str(o / "final" / weights)) for o in (resumed, outs["one"]))
+    assert set(again) == set(first) and all(torch.equal(again[k], first[k]) for k in first)
     a, b = (load_file(str(o / "final" / weights)) for o in outs.values())
     assert set(a) == set(b) and any(".experts." in k for k in a)
     assert all(rel_err(a[k], b[k]) <= 1e-5 for k in a)
