@@ -43,22 +43,14 @@ SHAPES = {"qwen3-30b-a3b": (2048, 128, 768, 8, True, "qwen3_moe"),
 
 def _routed(tokens: int, hidden: int, experts: int, k: int, norm: bool):
     """(x, logits, weights, ids, pos, offs) of random tokens through a random router."""
-    from kernels.moe import RouteFunction
+    from kernels.moe import RouteFunction, sort_picks
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     router = torch.randn(experts, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5
     logits = F.linear(x, router)
     weights, ids = RouteFunction.apply(logits, k, norm)
-    pos, offs = _sorted(ids, experts)
+    _, pos, offs = sort_picks(ids, experts)
     return x, router, logits, weights, ids, pos, offs
-
-
-def _sorted(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_mlp's step 2: (pos (T, k), offs (E,) int32)."""
-    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
-    offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=ids.device, dtype=ids.dtype), right=True)
-    return pos.view(ids.shape), offs.to(torch.int32)
 
 
 def _row(base: dict, pas: str, fn, nbytes: int, copy_gbs: float) -> dict:
@@ -66,7 +58,7 @@ def _row(base: dict, pas: str, fn, nbytes: int, copy_gbs: float) -> dict:
 
 
 def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
-    from kernels.moe import _combine, _expand, _route_fwd
+    from kernels.moe import _combine, _expand, _route_fwd, sort_picks
 
     hidden, experts, inter, k, norm, _ = SHAPES[name]
     x, _, logits, _, ids, pos, _ = _routed(tokens, hidden, experts, k, norm)
@@ -84,10 +76,10 @@ def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
                          route_bytes, copy_gbs))
 
     def ours_permute():
-        p, offs = _sorted(ids, experts)
+        _, p, offs = sort_picks(ids, experts)
         return _expand(x, p), offs
 
-    p0, _ = _sorted(ids, experts)
+    _, p0, _ = sort_picks(ids, experts)
     rows.append(_row({"op": "expand", "shape": shape, "dtype": "bfloat16", "impl": "ligermodels"}, "fwd",
                      lambda: _expand(x, p0), tokens * hidden * 2 * (1 + k), copy_gbs))
 

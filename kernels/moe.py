@@ -327,54 +327,66 @@ def grouped_gemm_device(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands: bf16 on an sm90+ GPU, fp32 or bf16 on the CPU, every
-    row 16-byte aligned."""
-    a = tensors[0]
-    if not hasattr(torch, "_grouped_mm"):
+def _grouped_mm_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: bf16 on an sm90+ GPU, fp32 or bf16 on the CPU, each
+    operand unit-strided in one of its last two dims with the other stride (its rows or columns) 16-byte aligned, and
+    the output's rows too."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
         return False
     if a.device.type == "cuda":
         if a.dtype != torch.bfloat16 or not grouped_gemm_device(a.device):
             return False
     elif a.device.type != "cpu" or a.dtype not in (torch.float32, torch.bfloat16):
         return False
-    return all(t.dtype == a.dtype and t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
+
+    def aligned(t: torch.Tensor) -> bool:
+        s = t.stride()[-2:]
+        return 1 in s and max(s) * t.element_size() % 16 == 0
+
+    return aligned(a) and aligned(b) and b.shape[-1] * b.element_size() % 16 == 0
 
 
-def _groups(offs: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of each non-empty group: the fallback's one host read."""
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` where it takes the operands, else the same product per expert with the
+    group ends read on the host: ``b`` (E, K, N): rows ``offs[e-1]:offs[e]`` of ``a`` (M, K) times ``b[e]`` -> (M,
+    N); ``b`` (M, N): columns of ``a`` (K, M) times rows of ``b`` in each group -> (E, K, N)."""
+    if _grouped_mm_ok(a, b):
+        return torch._grouped_mm(a, b, offs=offs)
     ends = offs.tolist()
-    return [(e, s, n) for e, (s, n) in enumerate(zip([0, *ends[:-1]], ends, strict=True)) if n > s]
+    if b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for e, (s, n) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+            out[s:n] = a[s:n] @ b[e]
+    else:
+        out = a.new_zeros(len(ends), a.shape[0], b.shape[1])
+        for e, (s, n) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+            out[e] = a[:, s:n] @ b[s:n]
+    return out
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """(M, N): the rows of expert e (``offs[e-1]:offs[e]``) of ``x`` (M, K) times ``weight[e].T``, weight (E, N, K)."""
-    if _grouped_mm_ok(x, weight):
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
-    out = x.new_zeros(x.shape[0], weight.shape[1])
-    for e, s, n in _groups(offs):
-        out[s:n] = x[s:n] @ weight[e].T
-    return out
+    return _grouped_mm(x, weight.transpose(1, 2), offs)
 
 
 def grouped_linear_input_grad(dy: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """(M, K): the rows of expert e of ``dy`` (M, N) times ``weight[e]`` (N, K)."""
-    if _grouped_mm_ok(dy, weight):
-        return torch._grouped_mm(dy, weight, offs=offs)
-    out = dy.new_zeros(dy.shape[0], weight.shape[2])
-    for e, s, n in _groups(offs):
-        out[s:n] = dy[s:n] @ weight[e]
-    return out
+    return _grouped_mm(dy, weight, offs)
 
 
 def grouped_linear_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """(E, N, K): ``dy[rows of e].T @ x[rows of e]`` for each expert (zeros for an expert with no rows)."""
-    if _grouped_mm_ok(dy, x):
-        return torch._grouped_mm(dy.t(), x, offs=offs)
-    out = dy.new_zeros(offs.shape[0], dy.shape[1], x.shape[1])
-    for e, s, n in _groups(offs):
-        out[e] = dy[s:n].T @ x[s:n]
-    return out
+    return _grouped_mm(dy.t(), x, offs)
+
+
+def sort_picks(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The permutation of the (T, k) expert ids ``ids`` (module docstring, step 2), on the device: (order (T*k,):
+    the pick t * k + j of each sorted row, pos (T, k): each pick's row, offs (E,) int32: each expert's end row)."""
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
+    offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=ids.device, dtype=sorted_ids.dtype),
+                              right=True)
+    return order, pos.view(ids.shape), offs.to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------- autograd
@@ -445,12 +457,8 @@ def moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
     x = x.contiguous()
     logits = F.linear(x, router_weight)
     weights, ids = RouteFunction.apply(logits, top_k, norm_topk)
-    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    offs = torch.searchsorted(sorted_ids, torch.arange(e, device=x.device, dtype=sorted_ids.dtype),
-                              right=True).to(torch.int32)
-    w_sorted = weights.reshape(-1)[order]
-    out = ExpertsFunction.apply(x, w_sorted, pos.view(ids.shape), offs, gate_up, down, _ACT_IDS[activation])
+    order, pos, offs = sort_picks(ids, e)
+    out = ExpertsFunction.apply(x, weights.reshape(-1)[order], pos, offs, gate_up, down, _ACT_IDS[activation])
     return out, logits
 
 
@@ -473,4 +481,5 @@ def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top
 
 
 
-__all__ = ["route", "moe_mlp", "moe_mlp_reference", "grouped_linear", "grouped_gemm_device", "load_balancing_loss"]
+__all__ = ["route", "moe_mlp", "moe_mlp_reference", "sort_picks", "grouped_linear", "grouped_gemm_device",
+           "load_balancing_loss"]

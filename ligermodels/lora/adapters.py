@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from kernels._common import compute_dtype
 from kernels.low_rank import LowRank, lora_linear
 from ligermodels.blocks import MLP, Attention, MoE
 
@@ -99,6 +100,18 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return lora_linear(x, self.weight, self.bias, self.low_rank())
 
+    @staticmethod
+    def weight_key(name: str) -> str:
+        """The state-dict key of the adapted weight, for this module's name ``name``."""
+        return f"{name}.weight"
+
+    def merge_into(self, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """W[s:e] += scale * B_t @ A_t for each target, in fp32 (fp64 for fp64 W), rounded once."""
+        cd = compute_dtype(w.dtype)
+        a, b = a.to(w.device, cd), b.to(w.device, cd)
+        for _, a_rows, s, e, b_rows in _blocks(self):
+            w[s:e] = (w[s:e].to(cd) + self.lora_scale * (b[b_rows] @ a[a_rows])).to(w.dtype)
+
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, lora_targets={self.lora_targets}, r={self.lora_r}, "
                 f"alpha={self.lora_alpha}, dropout={self.lora_dropout}, use_rslora={self.lora_use_rslora}")
@@ -115,8 +128,9 @@ class LoRAExperts(nn.Module):
     is as large as the weight it adapts and is kept for backward, as PEFT's is. No dropout: the update is applied to
     the weight, where an input dropout cannot act (PEFT refuses it too)."""
 
-    def __init__(self, base: nn.Parameter, r: int, alpha: float, use_rslora: bool = False):
+    def __init__(self, base: nn.Parameter, weight_name: str, r: int, alpha: float, use_rslora: bool = False):
         super().__init__()
+        self.weight_name = weight_name  # the MoE block's attribute it adapts: experts_gate_up or experts_down
         experts, out_features, in_features = base.shape
         self.num_experts, self.in_features, self.out_features = experts, in_features, out_features
         self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_use_rslora = r, alpha, 0.0, use_rslora
@@ -140,6 +154,16 @@ class LoRAExperts(nn.Module):
             return weight
         b, a = self.factors()
         return torch.baddbmm(weight, b.to(weight.dtype), a.to(weight.dtype), alpha=self.lora_scale)
+
+    def weight_key(self, name: str) -> str:
+        """The state-dict key of the adapted weight, for this module's name ``name`` (``layers.0.mlp.<w>_lora``)."""
+        return f"{name.rpartition('.')[0]}.{self.weight_name}"
+
+    def merge_into(self, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """W_e += scale * B_e @ A_e for every expert, in fp32 (fp64 for fp64 W), rounded once."""
+        cd = compute_dtype(w.dtype)
+        b, a = self.factors(a.to(w.device, cd), b.to(w.device, cd))
+        w.copy_((w.to(cd) + self.lora_scale * torch.bmm(b, a)).to(w.dtype))
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, r={self.lora_r}, "
@@ -277,7 +301,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
     for block in [m for m in model.modules() if isinstance(m, MoE)]:
         for t in experts:
             weight = EXPERT_TARGETS[t][0]
-            setattr(block, f"{weight}_lora", LoRAExperts(getattr(block, weight), r, float(alpha), bool(use_rslora)))
+            setattr(block, f"{weight}_lora", LoRAExperts(getattr(block, weight), weight, r, float(alpha),
+                                                        bool(use_rslora)))
     return model
 
 
@@ -306,38 +331,22 @@ def merge_lora(model: nn.Module) -> nn.Module:
     merged: LoRA calls on it afterwards are refused.
     """
     _refuse_merged(model, "merge_lora")
-    mods = lora_modules(model)
-    experts = expert_lora_modules(model)
-    if not mods and not experts:
+    mods = _all_adapters(model)
+    if not mods:
         raise LoRAError("merge_lora: the model has no LoRA adapters")
-    for m in mods.values():
-        _merge_into(m.weight, m.lora_A, m.lora_B, m)
+    for name, m in mods.items():
+        parent = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(m, LoRAExperts):
+            m.merge_into(getattr(parent, m.weight_name).data, m.lora_A, m.lora_B)
+            setattr(parent, f"{m.weight_name}_lora", None)
+            continue
+        m.merge_into(m.weight, m.lora_A, m.lora_B)
         plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         plain.weight, plain.bias = m.weight, m.bias
         plain.train(m.training)
         _replace(model, m, plain)
-    for name, m in experts.items():
-        block = model.get_submodule(name.rpartition(".")[0])
-        weight = name.rpartition(".")[2].removesuffix("_lora")
-        _merge_experts_into(getattr(block, weight).data, m.lora_A, m.lora_B, m)
-        setattr(block, f"{weight}_lora", None)
     model.lora_merged = True
     return model
-
-
-def _merge_into(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: LoRALinear) -> None:
-    """W[s:e] += scale * B_t @ A_t for each target of ``m``, in fp32 (fp64 for fp64 W), rounded once."""
-    cd = torch.float64 if w.dtype == torch.float64 else torch.float32
-    a, b = a.to(w.device, cd), b.to(w.device, cd)
-    for _, a_rows, s, e, b_rows in _blocks(m):
-        w[s:e] = (w[s:e].to(cd) + m.lora_scale * (b[b_rows] @ a[a_rows])).to(w.dtype)
-
-
-def _merge_experts_into(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: LoRAExperts) -> None:
-    """W_e += scale * B_e @ A_e for every expert, in fp32 (fp64 for fp64 W), rounded once."""
-    cd = torch.float64 if w.dtype == torch.float64 else torch.float32
-    b, a = m.factors(a.to(w.device, cd), b.to(w.device, cd))
-    w.copy_((w.to(cd) + m.lora_scale * torch.bmm(b, a)).to(w.dtype))
 
 
 @torch.no_grad()
@@ -347,19 +356,17 @@ def merge_lora_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[s
     them, and the ``lora_A`` / ``lora_B`` entries dropped: what ``save_hf_state`` writes as a plain
     checkpoint. ``model`` (any rank's, sharded or not) gives the adapters' layout; ``state`` is not modified."""
     _refuse_merged(model, "merge_lora_state")
-    mods = lora_modules(model)
-    experts = expert_lora_modules(model)
-    if not mods and not experts:
+    mods = _all_adapters(model)
+    if not mods:
         raise LoRAError("merge_lora_state: the model has no LoRA adapters")
     out = {k: v for k, v in state.items() if not k.endswith((".lora_A", ".lora_B"))}
-    for name, m in {**mods, **experts}.items():
-        weight = f"{name.removesuffix('_lora')}" if name in experts else f"{name}.weight"
+    for name, m in mods.items():
+        weight = m.weight_key(name)
         missing = [k for k in (weight, f"{name}.lora_A", f"{name}.lora_B") if k not in state]
         if missing:
             raise LoRAError(f"merge_lora_state: the state dict lacks {missing}")
         w = out[weight] = state[weight].clone()
-        merge = _merge_experts_into if name in experts else _merge_into
-        merge(w, state[f"{name}.lora_A"], state[f"{name}.lora_B"], m)
+        m.merge_into(w, state[f"{name}.lora_A"], state[f"{name}.lora_B"])
     return out
 
 

@@ -75,17 +75,16 @@ def _check_uniform(mods: dict[str, LoRALinear | LoRAExperts]) -> tuple[int, floa
 
 
 def _expert_params(experts: dict[str, LoRAExperts]) -> list[str]:
-    """Our expert targets present among ``experts`` (module names), in PEFT's nesting order."""
-    present = {n.rpartition(".")[2].removesuffix("_lora") for n in experts}
+    """Our expert targets present among ``experts``, in PEFT's nesting order."""
+    present = {m.weight_name for m in experts.values()}
     return [t for t, (weight, _) in EXPERT_TARGETS.items() if weight in present]
 
 
-def _expert_key(name: str, params: list[str]) -> str:
-    """PEFT's key stem of the adapter ``name`` (``layers.{i}.mlp.experts_gate_up_lora``) when ``params`` are the
-    adapted expert weights: one ParamWrapper per weight on transformers' experts module, each later one wrapping
+def _expert_key(name: str, weight: str, params: list[str]) -> str:
+    """PEFT's key stem of the adapter ``name`` (``layers.{i}.mlp.<weight>_lora``) on ``weight`` when ``params`` are
+    the adapted expert weights: one ParamWrapper per weight on transformers' experts module, each later one wrapping
     the earlier, so the earlier ones sit under ``base_layer.`` once per wrapper outside them."""
     layer = int(name.split(".")[1])
-    weight = name.rpartition(".")[2].removesuffix("_lora")
     depth = len(params) - 1 - [EXPERT_TARGETS[t][0] for t in params].index(weight)
     return f"{_PEFT_PREFIX}{_PEFT_EXPERTS.format(i=layer)}" + ".base_layer" * depth
 
@@ -114,7 +113,7 @@ def save_lora(model: nn.Module, out_dir: str, state: dict[str, torch.Tensor] | N
     for name, m in experts.items():
         a = m.lora_A if state is None else state[f"{name}.lora_A"]
         b = m.lora_B if state is None else state[f"{name}.lora_B"]
-        key = _expert_key(name, params)
+        key = _expert_key(name, m.weight_name, params)
         tensors[f"{key}.lora_A.weight"] = a.detach().float().cpu().clone().contiguous()
         tensors[f"{key}.lora_B.weight"] = b.detach().float().cpu().clone().contiguous()
     for name, m in mods.items():
@@ -257,7 +256,7 @@ def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
             weight = EXPERT_TARGETS[t][0]
             name = f"layers.{i}.mlp.{weight}_lora"
             n_e, out, inp = getattr(model.layers[i].mlp, weight).shape
-            key = _expert_key(name, experts)
+            key = _expert_key(name, weight, experts)
             expected[f"{key}.lora_A.weight"] = (name, None, None, (r * n_e, inp))
             expected[f"{key}.lora_B.weight"] = (name, None, None, (out, r * n_e))
     path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
