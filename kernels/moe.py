@@ -3,10 +3,12 @@
 Shapes: x (T, H) tokens; router weight (E, H); experts' gate_up (E, 2*I, H) (each expert's gate rows, then its up
 rows, as ``nn.Linear`` weights) and down (E, H, I). M = T*k (token, expert) pairs.
 
-Per token (as transformers' Qwen3-MoE / Mixtral blocks compute it): router logits ``x @ Wr.T`` in x's dtype;
-probabilities ``softmax`` in fp32 (float64 for float64 inputs); the ``top_k`` largest, renormalised to sum 1 when
-``norm_topk``; the token's output ``sum_j p_j * down_e(act(gate_e(x)) * up_e(x))`` over its k experts e_j. Every
-token reaches its k experts: no capacity, nothing dropped.
+Per token (as transformers' Qwen3-MoE / Mixtral blocks compute it, except that the logits are not rounded to x's
+dtype): router logits ``x @ Wr.T`` accumulated and returned in fp32 (float64 for float64 inputs; transformers
+rounds them to bf16 under bf16, which ties experts a fp32 logit tells apart); probabilities ``softmax`` in fp32;
+the ``top_k`` largest, renormalised to sum 1 when ``norm_topk``; the token's output
+``sum_j p_j * down_e(act(gate_e(x)) * up_e(x))`` over its k experts e_j. Every token reaches its k experts: no
+capacity, nothing dropped.
 
 The kernel path (:func:`moe_mlp` on CUDA, or through the interpreter), with no host synchronisation and no loop over
 experts in Python:
@@ -50,12 +52,40 @@ from kernels.glu import GELU_ERF, GELU_TANH, SILU, _activation
 _ACT = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
+class RouterLogitsFunction(torch.autograd.Function):
+    """``forward(x (T, H), weight (E, H))`` -> ``x @ weight.T`` (T, E) in fp32 (float64 for float64 x), from a
+    bf16/fp16 GEMM that accumulates in fp32 and writes fp32 (``torch.mm(..., out_dtype=)`` on CUDA, an fp32 GEMM on
+    casts elsewhere). Backward: the (T, E) fp32 gradient against fp32 casts of the weight and x, rounded once to
+    their dtypes; the casts live only inside backward (x is saved in its own dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        cd = compute_dtype(x.dtype)
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype:
+            return torch.mm(x, weight.t(), out_dtype=cd)
+        return F.linear(x.to(cd), weight.to(cd))
+
+    @staticmethod
+    def backward(ctx, dlogits):
+        x, weight = ctx.saved_tensors
+        dx = dlogits.mm(weight.to(dlogits.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = dlogits.t().mm(x.to(dlogits.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    """Router logits ``x @ router_weight.T`` (T, E) in fp32 (float64 for float64 x) from x (T, H) in any dtype
+    (:class:`RouterLogitsFunction`); differentiable in both."""
+    return RouterLogitsFunction.apply(x, router_weight)
+
+
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk: bool
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(router logits (T, E) in x's dtype, top-k weights (T, k) fp32 (float64 for float64 x), top-k expert ids
-    (T, k) int64)."""
-    logits = F.linear(x, router_weight)
-    probs = torch.softmax(logits, dim=-1, dtype=compute_dtype(x.dtype))
+    """(router logits (T, E) fp32 (float64 for float64 x), top-k weights (T, k) in the logits' dtype, top-k expert
+    ids (T, k) int64)."""
+    logits = router_logits(x, router_weight)
+    probs = torch.softmax(logits, dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -434,7 +464,7 @@ class ExpertsFunction(torch.autograd.Function):
 
 def moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
             norm_topk: bool, activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(output (T, H) in x's dtype, router logits (T, E) in x's dtype) of the MoE MLP on tokens ``x`` (T, H).
+    """(output (T, H) in x's dtype, router logits (T, E) fp32) of the MoE MLP on tokens ``x`` (T, H).
 
     Args:
         x: (T, H) tokens; router_weight: (E, H); gate_up: (E, 2*I, H); down: (E, H, I).
@@ -455,7 +485,7 @@ def moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
     if not use_triton(x):
         return moe_mlp_reference(x, router_weight, gate_up, down, top_k, norm_topk, activation)
     x = x.contiguous()
-    logits = F.linear(x, router_weight)
+    logits = router_logits(x, router_weight)
     weights, ids = RouteFunction.apply(logits, top_k, norm_topk)
     order, pos, offs = sort_picks(ids, e)
     out = ExpertsFunction.apply(x, weights.reshape(-1)[order], pos, offs, gate_up, down, _ACT_IDS[activation])

@@ -64,6 +64,25 @@ def test_moe_reference_matches_a_float64_per_token_loop_with_every_gradient(k, n
             assert rel_err(a.grad, b.grad) <= 1e-12, name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_logits_are_fp32_products_of_the_inputs_with_gradients_rounded_once(dtype):
+    """The router's logits are the fp32-accumulated product of x and the router weight, returned in fp32 (not
+    rounded to x's dtype, where bf16 ties experts apart by less than its step), and their gradients are the
+    float64 products rounded once to the inputs' dtypes."""
+    g = torch.Generator().manual_seed(3)
+    x64 = torch.randn(37, 52, generator=g, dtype=torch.float64)
+    w64 = torch.randn(7, 52, generator=g, dtype=torch.float64)
+    x, w = (a.to(dtype).to(DEVICE).requires_grad_() for a in (x64, w64))
+    logits = kernels.moe.router_logits(x, w)
+    exact = x.detach().double().cpu() @ w.detach().double().cpu().T  # the product of the rounded inputs
+    assert logits.dtype == torch.float32 and rel_err(logits, exact) <= 1e-6
+    grad = torch.randn(logits.shape, generator=g, dtype=torch.float64)
+    logits.backward(grad.float().to(DEVICE))
+    bound = 5e-3 if dtype == torch.bfloat16 else 1e-6
+    assert x.grad.dtype == dtype and rel_err(x.grad, grad @ w.detach().double().cpu()) <= bound
+    assert w.grad.dtype == dtype and rel_err(w.grad, grad.T @ x.detach().double().cpu()) <= bound
+
+
 def _moe_args(t, h, i, e, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(t, h, generator=g, dtype=torch.float64), torch.randn(e, h, generator=g, dtype=torch.float64),
@@ -83,7 +102,7 @@ def _kernel_vs_per_token(dtype, t, h, i, e, k, norm_topk, seed=0):
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
     out.backward(grad.to(dtype).to(DEVICE))
     expected.backward(grad)
-    assert out.dtype == dtype and logits.dtype == dtype
+    assert out.dtype == dtype and logits.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     return [rel_err(out, expected)] + [rel_err(a.grad, b.grad) for a, b in zip(ours, ref, strict=True)]
 
 
