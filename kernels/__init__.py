@@ -13,6 +13,8 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
 - :mod:`kernels.attention`: ``document_attention`` (causal attention within packed documents and a window),
   ``document_bounds``
 - :mod:`kernels.glu`: ``swiglu``, ``geglu``, ``glu_linear`` (GLU + down projection, activation recomputed)
+- :mod:`kernels.fp8`: ``fp8_linear`` (forward and input-gradient GEMMs in FP8 with row scales; ``rms_norm_linear``
+  and ``glu_linear`` take ``fp8=`` and write their GEMM input quantised)
 - :mod:`kernels.low_rank`: ``LowRank``, ``lora_linear`` (LoRA adapters; ``rms_norm_linear`` and ``glu_linear``
   take a ``LowRank`` too)
 - :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
@@ -27,6 +29,7 @@ from kernels._common import INTERPRET, use_triton
 from kernels.adamw import AdamW
 from kernels.attention import document_attention, document_bounds
 from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
+from kernels.fp8 import fp8_linear
 from kernels.glu import geglu, glu_linear, swiglu
 from kernels.logprobs import fused_linear_logprobs, fused_linear_sequence_logprobs
 from kernels.low_rank import LowRank, lora_linear
@@ -36,7 +39,8 @@ from kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
 
 __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_norm_linear", "apply_rope",
-           "apply_rope_qkv_", "apply_qk_norm_rope_qkv_", "swiglu", "geglu", "glu_linear", "LowRank", "lora_linear",
+           "apply_rope_qkv_", "apply_qk_norm_rope_qkv_", "swiglu", "geglu", "glu_linear", "fp8_linear", "LowRank",
+           "lora_linear",
            "cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs",
            "fused_linear_sequence_logprobs", "AdamW", "document_attention", "document_bounds", "moe_mlp",
            "moe_mlp_reference", "load_balancing_loss"]

@@ -47,6 +47,18 @@ from kernels._common import (
     row_block,
     use_triton,
 )
+from kernels.fp8 import (
+    E4M3,
+    FP8_MAX,
+    FP8_MODES,
+    _fp8_grid,
+    _pow2_scale,
+    fp8_forward,
+    fp8_input_grad,
+    fp8_linear,
+    quant_block,
+    weight_grad,
+)
 from kernels.low_rank import (
     LowRank,
     check_low_rank,
@@ -126,6 +138,36 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, d_ptr, h_ptr, u_off, du_off, stride_do
         tl.store(h_ptr + rows * stride_h + cols, (a * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _glu_fp8_fwd_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, ACT: tl.constexpr, FMAX: tl.constexpr,
+                        BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """One packed gate+up row per program: act(g) * u in fp32, its absolute maximum, and the row divided by its
+    power-of-two scale (:mod:`kernels.fp8`) written in FP8. Rows wider than BLOCK are computed twice (the
+    second read of gate/up mostly from L2)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    cols = tl.arange(0, BLOCK)
+    if ONE_BLOCK:
+        mask = cols < n_cols
+        a, _ = _activation(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32), ACT)
+        h = a * tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        scale, inv = _pow2_scale(tl.max(tl.abs(h), axis=0), FMAX)
+        tl.store(q_row + cols, _fp8_grid(h * inv, FMAX).to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            c = start + cols
+            a, _ = _activation(tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32), ACT)
+            amax = tl.maximum(amax, tl.abs(a * tl.load(x_row + n_cols + c, mask=c < n_cols, other=0.0).to(tl.float32)))
+        scale, inv = _pow2_scale(tl.max(amax, axis=0), FMAX)
+        for start in range(0, n_cols, BLOCK):
+            c = start + cols
+            a, _ = _activation(tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32), ACT)
+            h = a * tl.load(x_row + n_cols + c, mask=c < n_cols, other=0.0).to(tl.float32)
+            tl.store(q_row + c, _fp8_grid(h * inv, FMAX).to(q_ptr.dtype.element_ty), mask=c < n_cols)
+    tl.store(s_ptr + row, scale)
+
+
 # ------------------------------------------------------------------------------------ custom ops
 # The ops take a packed (..., 2*I) gate+up tensor whole (``up`` None) and address its halves with an
 # element offset inside the kernel: no slice views reach the op, so torch.compile has none to copy.
@@ -194,6 +236,22 @@ def _glu_fwd(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Ten
     return out
 
 
+@eager_op
+@triton_op(f"{LIB}::glu_fwd_fp8", mutates_args={})
+def _glu_fwd_fp8(x: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(glu (rows, I) e4m3, row scales (rows, 1) fp32) of packed gate+up rows x (..., 2*I), quantised by rows as
+    :func:`kernels.fp8.quantize_rows` quantises the fp32 activation."""
+    x2 = as_rows(x)
+    rows, cols = x2.shape[0], x2.shape[1] // 2
+    q = torch.empty((rows, cols), dtype=E4M3, device=x.device)
+    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if q.numel() > 0:
+        block, one, warps = quant_block(cols, glu=True)
+        wrap_triton(_glu_fp8_fwd_kernel)[(rows,)](x2, q, s, x2.stride(0), q.stride(0), cols, ACT=act,
+                                                  FMAX=FP8_MAX[E4M3], BLOCK=block, ONE_BLOCK=one, num_warps=warps)
+    return q, s
+
+
 def _launch_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor | None, act: int,
                 h: torch.Tensor | None) -> torch.Tensor:
     """Gradient buffer: (rows, 2*I) packed when ``up`` is None, else (2, ...) holding gate's then up's
@@ -260,12 +318,17 @@ class GLULinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int,
                 keep_activation: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
-                lora_dropout: float = 0.0) -> torch.Tensor:
-        h = _glu_fwd(x, None, act)
-        z = bb = mask = None
-        if lora_a is None:
+                lora_dropout: float = 0.0, fp8=None) -> torch.Tensor:
+        z = bb = mask = h = None
+        ctx.fp8 = fp8
+        if fp8 is not None:  # the GLU kernel writes h in FP8 with its row scales; backward writes h again in bf16
+            hq, hs = _glu_fwd_fp8(x, act)
+            out, keep_activation = fp8_forward(hq, hs, weight, bias, x.dtype).view(*x.shape[:-1], -1), False
+        elif lora_a is None:
+            h = _glu_fwd(x, None, act)
             out = F.linear(h, weight, bias)
         else:
+            h = _glu_fwd(x, None, act)
             h2 = h.view(-1, h.shape[-1])
             mask = dropout_mask(h2, lora_dropout)
             lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
@@ -287,7 +350,9 @@ class GLULinearFunction(torch.autograd.Function):
         needs_la, needs_lb = ctx.needs_input_grad[5:7]
         d2 = dout.reshape(-1, dout.shape[-1])
         dla = dlb = None
-        if lora_a is None:
+        if ctx.fp8 is not None:
+            dh = fp8_input_grad(d2, weight, ctx.fp8.grad_dtype)
+        elif lora_a is None:
             dh = d2 @ weight  # (M, I)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
@@ -301,10 +366,10 @@ class GLULinearFunction(torch.autograd.Function):
         dw = None
         if needs_h:
             h2 = h.view(n_rows(h), h.shape[-1])
-            dw = d2.t() @ h2 if needs_w else None
+            dw = None if not needs_w else weight_grad(d2, h2, ctx.fp8) if ctx.fp8 is not None else d2.t() @ h2
             dla = low_rank_grad_a(dz, h2, lr, mask) if lora_a is not None and needs_la else None
         db = d2.sum(0) if ctx.has_bias and needs_b else None
-        return dx.view(x.shape), dw, db, None, None, dla, dlb, None, None, None
+        return dx.view(x.shape), dw, db, None, None, dla, dlb, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -340,7 +405,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor | None, act: int) -> torch.Tensor:
 
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                activation: str = "silu", keep_activation: bool = False,
-               low_rank: LowRank | None = None) -> torch.Tensor:
+               low_rank: LowRank | None = None, fp8: str | None = None) -> torch.Tensor:
     """``F.linear(glu(x), weight, bias)``: the GLU of a packed gate+up tensor followed by the down projection.
 
     The same numbers as :func:`swiglu` / :func:`geglu` then ``F.linear``, with less memory: the
@@ -356,6 +421,9 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         low_rank: LoRA adapters on the down projection (:class:`kernels.low_rank.LowRank`), or None: their
             term of the activation is added (in fp32), with their dropout on their input only; backward
             writes the activation again once for both dW and dA. A frozen weight or bias gets no gradient.
+        fp8: None (a bf16 GEMM), or a mode of :data:`kernels.fp8.FP8_MODES`: the GLU kernel writes the activation
+            in FP8 with row scales for the forward GEMM, the gradients' GEMMs run in FP8 as the mode says
+            (:mod:`kernels.fp8`); ``keep_activation`` is then ignored. Not with ``low_rank``.
     Returns:
         (..., H) in the input dtype.
     """
@@ -372,13 +440,19 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"glu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "glu_linear")
+    if fp8 is not None and (fp8 not in FP8_MODES or low_rank is not None):
+        raise ValueError(f"glu_linear: fp8 must be None or one of {sorted(FP8_MODES)}, without low_rank; got "
+                         f"{fp8!r}{' with low_rank' if low_rank is not None else ''}")
+    if fp8 is not None and not use_triton(x):  # the activation materialised, then the same quantised GEMMs
+        return fp8_linear(glu_reference(x, None, act), weight, bias, fp8)
     if not use_triton(x):
         h = glu_reference(x, None, act)
         out = F.linear(h, weight, bias)
         return out if low_rank is None else low_rank_reference(h, out, low_rank)
     lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
         low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
-    return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation), *lr)
+    return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation), *lr,
+                                   None if fp8 is None else FP8_MODES[fp8])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

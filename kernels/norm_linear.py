@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._common import use_triton
+from kernels.fp8 import FP8_MODES, fp8_forward, fp8_input_grad, fp8_linear, weight_grad
 from kernels.low_rank import (
     LowRank,
     check_low_rank,
@@ -52,8 +53,10 @@ from kernels.rms_norm import (
     _casting_code,
     _check,
     _fused_add_rms_norm_fwd,
+    _fused_add_rms_norm_fwd_fp8,
     _rms_norm_bwd,
     _rms_norm_fwd,
+    _rms_norm_fwd_fp8,
     fused_add_rms_norm_reference,
     rms_norm_reference,
 )
@@ -61,7 +64,7 @@ from kernels.rms_norm import (
 
 class RMSNormLinearFunction(torch.autograd.Function):
     """``forward(x, residual, norm_weight, weight, bias, eps, offset, casting, keep_output, lora_a, lora_b,
-    lora_slices, lora_scale, lora_dropout)`` -> (out, h).
+    lora_slices, lora_scale, lora_dropout, fp8)`` -> (out, h); ``fp8``: None, or a :class:`kernels.fp8.FP8Recipe`.
 
     ``residual`` may be None (first layer: h is x itself and only ``out`` is returned). Saves h,
     the two weights and the per-row rstd; the norm output y too when ``keep_output`` (else backward
@@ -74,24 +77,31 @@ class RMSNormLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, norm_weight, weight, bias, eps: float, offset: float, casting: int,
                 keep_output: bool = False, lora_a=None, lora_b=None, lora_slices=None, lora_scale: float = 1.0,
-                lora_dropout: float = 0.0):
-        if residual is None:
-            y, rstd = _rms_norm_fwd(x, norm_weight, eps, offset, casting)
-            h = x
-        else:
-            y, h, rstd = _fused_add_rms_norm_fwd(x, residual, norm_weight, eps, offset, casting)
-        y2 = y.reshape(-1, y.shape[-1])
+                lora_dropout: float = 0.0, fp8=None):
         z = bb = mask = None
-        if lora_a is None:
-            out2 = F.linear(y2, weight, bias)
+        ctx.fp8 = fp8
+        if fp8 is not None:  # the norm kernel writes y in FP8 with its row scales; backward writes y again in bf16
+            if residual is None:
+                (yq, ys, rstd), h = _rms_norm_fwd_fp8(x, norm_weight, eps, offset, casting), x
+            else:
+                yq, ys, h, rstd = _fused_add_rms_norm_fwd_fp8(x, residual, norm_weight, eps, offset, casting)
+            out2, keep_output = fp8_forward(yq, ys, weight, bias, x.dtype), False
         else:
-            lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
-            mask = dropout_mask(y2, lora_dropout)
-            out2, z, bb = low_rank_linear(y2, weight, bias, lr, mask)
-            ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
+            if residual is None:
+                (y, rstd), h = _rms_norm_fwd(x, norm_weight, eps, offset, casting), x
+            else:
+                y, h, rstd = _fused_add_rms_norm_fwd(x, residual, norm_weight, eps, offset, casting)
+            y2 = y.reshape(-1, y.shape[-1])
+            if lora_a is None:
+                out2 = F.linear(y2, weight, bias)
+            else:
+                lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
+                mask = dropout_mask(y2, lora_dropout)
+                out2, z, bb = low_rank_linear(y2, weight, bias, lr, mask)
+                ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         # A 2-D GEMM, then an untracked reshape: the output must not be a view (the rotary
         # embedding rotates the q/k/v projection output in place, which autograd forbids on views).
-        out = torch.ops.aten._unsafe_view(out2, (*y.shape[:-1], weight.shape[0]))
+        out = torch.ops.aten._unsafe_view(out2, (*x.shape[:-1], weight.shape[0]))
         lora = save_low_rank(lora_a, lora_b, z, bb, mask)
         ctx.save_for_backward(h, norm_weight, weight, rstd, *lora, *([y] if keep_output else []))
         ctx.n_lora = len(lora)
@@ -112,10 +122,12 @@ class RMSNormLinearFunction(torch.autograd.Function):
         needs_w, needs_b = ctx.needs_input_grad[3:5]
         needs_la, needs_lb = ctx.needs_input_grad[9:11]
         if dout is None:  # only h was used downstream: the projection contributes nothing
-            return (dh, dh) + (None,) * 12
+            return (dh, dh) + (None,) * 13
         d2 = dout.reshape(-1, dout.shape[-1])
         dw = dla = dlb = None
-        if lora_a is None:
+        if ctx.fp8 is not None:
+            dy = fp8_input_grad(d2, weight, ctx.fp8.grad_dtype).view(*dout.shape[:-1], weight.shape[1])
+        elif lora_a is None:
             dy = dout.matmul(weight)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
@@ -125,14 +137,14 @@ class RMSNormLinearFunction(torch.autograd.Function):
             # the norm output: kept from forward, or written again
             y = kept if kept is not None else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
             y2 = y.reshape(-1, y.shape[-1])
-            dw = d2.t().mm(y2) if needs_w else None
+            dw = None if not needs_w else weight_grad(d2, y2, ctx.fp8) if ctx.fp8 is not None else d2.t().mm(y2)
             dla = low_rank_grad_a(dz, y2, lr, mask) if lora_a is not None and needs_la else None
             del y, y2
         db = d2.sum(0) if needs_b else None
         del kept
         dx, dnw = _rms_norm_bwd(dy, dy if dh is None else dh, h, norm_weight, rstd, offset, dh is not None)
         return (dx, (dx if ctx.has_residual else None), dnw, dw, db, None, None, None, None, dla, dlb,
-                None, None, None)
+                None, None, None, None)
 
 
 def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
@@ -153,7 +165,8 @@ def rms_norm_linear_reference(x: torch.Tensor, norm_weight: torch.Tensor, weight
 
 def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None, eps: float = 1e-6, offset: float = 0.0,
-                    casting: str = "llama", keep_output: bool = False, low_rank: LowRank | None = None):
+                    casting: str = "llama", keep_output: bool = False, low_rank: LowRank | None = None,
+                    fp8: str | None = None):
     """``linear(rms_norm(x + residual), weight, bias)`` without keeping the norm output for backward.
 
     Args:
@@ -166,6 +179,9 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
             term of the norm output is added (in fp32) to the projection's, with their dropout on their
             input only; backward writes the norm output again once for both dW and dA. A weight or bias
             that needs no gradient (frozen) gets none computed.
+        fp8: None (bf16 GEMMs), or a mode of :data:`kernels.fp8.FP8_MODES`: the norm kernel writes its output in
+            FP8 with row scales for the forward GEMM, the gradients' GEMMs run in FP8 as the mode says
+            (:mod:`kernels.fp8`); ``keep_output`` is then ignored. Not with ``low_rank``.
     Returns:
         (..., N) projection output; with a residual, ``(out, h)`` where h = x + residual (..., H) is
         the new residual stream, as :func:`kernels.fused_add_rms_norm` returns it.
@@ -179,9 +195,17 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
         raise ValueError(f"rms_norm_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "rms_norm_linear")
+    if fp8 is not None and (fp8 not in FP8_MODES or low_rank is not None):
+        raise ValueError(f"rms_norm_linear: fp8 must be None or one of {sorted(FP8_MODES)}, without low_rank; got "
+                         f"{fp8!r}{' with low_rank' if low_rank is not None else ''}")
+    if fp8 is not None and not use_triton(x):  # the norm output materialised, then the same quantised GEMMs
+        if residual is None:
+            return fp8_linear(rms_norm_reference(x, norm_weight, eps, offset, casting), weight, bias, fp8)
+        y, h = fused_add_rms_norm_reference(x, residual, norm_weight, eps, offset, casting)
+        return fp8_linear(y, weight, bias, fp8), h
     if not use_triton(x):
         return rms_norm_linear_reference(x, norm_weight, weight, bias, residual, eps, offset, casting, low_rank)
     lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
         low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
     return RMSNormLinearFunction.apply(x, residual, norm_weight, weight, bias, float(eps), float(offset), code,
-                                       bool(keep_output), *lr)
+                                       bool(keep_output), *lr, None if fp8 is None else FP8_MODES[fp8])

@@ -25,6 +25,7 @@ from torch import nn
 from kernels import (
     apply_qk_norm_rope_qkv_,
     apply_rope_qkv_,
+    fp8_linear,
     fused_add_rms_norm,
     glu_linear,
     moe_mlp,
@@ -43,6 +44,17 @@ def low_rank_of(linear: nn.Module):
     """The LoRA adapters of a projection (``ligermodels.lora.LoRALinear.low_rank()``), or None for a plain one."""
     low_rank = getattr(linear, "low_rank", None)
     return None if low_rank is None else low_rank()
+
+
+def fp8_of(linear: nn.Module) -> str | None:
+    """The FP8 mode of a projection (its ``fp8`` attribute, set by :meth:`CausalLM.use_fp8`), or None (bf16)."""
+    return getattr(linear, "fp8", None)
+
+
+def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``, through :func:`kernels.fp8_linear` when the projection has an FP8 mode."""
+    mode = fp8_of(linear)
+    return linear(x) if mode is None else fp8_linear(x, linear.weight, linear.bias, mode)
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +88,7 @@ class RMSNorm(nn.Module):
         (..., H) -> (..., N); with a residual, ((..., N) projection, (..., H) new residual stream).
         """
         return rms_norm_linear(x, self.weight, linear.weight, linear.bias, residual, self.eps, self.offset,
-                               self.casting, self.keep_output, low_rank_of(linear))
+                               self.casting, self.keep_output, low_rank_of(linear), fp8_of(linear))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, casting={self.casting}"
@@ -139,7 +151,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
         """(B, S, H) normalised input -> (B, S, H)."""
-        return self.attend(self.qkv(x), cos, sin, mask, cache)
+        return self.attend(project(self.qkv, x), cos, sin, mask, cache)
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -160,7 +172,7 @@ class Attention(nn.Module):
         else:
             o = causal_attention(q, k, v, mask, self.window, self.scale, self.dropout if self.training else 0.0,
                                  self.softcap)
-        return self.o(o.reshape(b, s, self.num_heads * self.head_dim))
+        return project(self.o, o.reshape(b, s, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -183,12 +195,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, H) normalised input -> (B, S, H)."""
-        return self.glu_down(self.gate_up(x))
+        return self.glu_down(project(self.gate_up, x))
 
     def glu_down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(B, S, 2*I) packed gate+up projection output -> (B, S, H)."""
         return glu_linear(gate_up, self.down.weight, self.down.bias, self.activation, self.keep_activation,
-                          low_rank_of(self.down))
+                          low_rank_of(self.down), fp8_of(self.down))
 
 
 class MoE(nn.Module):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_linear_cross_entropy, fused_linear_logprobs, load_balancing_loss
+from kernels.fp8 import FP8_MODES
 from ligermodels.attention import AttentionMask, Documents, document_ids_from_positions
 from ligermodels.blocks import DecoderLayer, MoE, RMSNorm, RotaryEmbedding, init_linear_
 from ligermodels.config import DecoderConfig
@@ -82,6 +83,25 @@ class CausalLM(nn.Module):
         self.rotary.reset_parameters()
         if self.rotary_local is not None:
             self.rotary_local.reset_parameters()
+
+    def use_fp8(self, mode: str | None = "rowwise") -> CausalLM:
+        """Run the decoder layers' dense projections (q/k/v, o, gate/up, down) in FP8 (:mod:`kernels.fp8`):
+        ``mode`` a key of :data:`kernels.fp8.FP8_MODES` ("rowwise": the three GEMMs of each projection on e4m3
+        operands with power-of-two scales along their reduction dims; "rowwise-e5m2": output gradients in e5m2;
+        "rowwise-gw-bf16": weight gradients in bf16), or None (back to bf16).
+        The weights stay as they are (FP8 copies are made on each call); embeddings, norms, attention, the loss
+        head and mixture-of-experts layers' experts and router stay in the compute dtype. Not with LoRA adapters
+        (they read the unquantised norm output). Returns the model."""
+        if mode is not None and mode not in FP8_MODES:
+            raise ValueError(f"use_fp8: mode must be None or one of {sorted(FP8_MODES)}, got {mode!r}")
+        for layer in self.layers:
+            linears = [layer.attn.qkv, layer.attn.o] + ([] if isinstance(layer.mlp, MoE) else
+                                                         [layer.mlp.gate_up, layer.mlp.down])
+            if mode is not None and any(getattr(m, "low_rank", None) is not None for m in linears):
+                raise ValueError("use_fp8: the model has LoRA adapters; FP8 projections under adapters are not built")
+            for m in linears:
+                m.fp8 = mode
+        return self
 
     # --------------------------------------------------------------------------------- forward
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.fp8 import fp8_supported
 from ligermodels.lora import LoRAError, normalize_targets
 
 
@@ -114,6 +115,11 @@ class TrainConfig:
                                                       "expert's weights of a mixture-of-experts model)")
     merge: bool = _flag(False, "LoRA: also write OUT/merged, the base with the adapters folded in, as a plain HF "
                                "checkpoint")
+    fp8: str = _flag("none", "run the decoder layers' projections in FP8 (kernels.fp8): rowwise = forward, input- and "
+                             "weight-gradient GEMMs on e4m3 operands with one power-of-two scale per row along "
+                             "each GEMM's reduction dim; rowwise-e5m2 = output gradients in e5m2; rowwise-gw-bf16 = "
+                             "weight gradients in bf16. Needs compute capability 8.9+ (Ada, Hopper) on CUDA; not "
+                             "with LoRA", ("none", "rowwise", "rowwise-e5m2", "rowwise-gw-bf16"))
     attention: str = _flag("documents", "documents: a token attends within its own document of the packed row; "
                                         "causal: across the whole row (as transformers' SDPA path without position "
                                         "ids)", ("documents", "causal"))
@@ -211,6 +217,11 @@ class TrainConfig:
             raise TrainError("--cuda-graph replays a CUDA graph: it needs --device cuda")
         if self.graph_documents < 1:
             raise TrainError(f"--graph-documents must be at least 1, got {self.graph_documents}")
+        if self.fp8 != "none" and self.lora_rank:
+            raise TrainError("--fp8 with --lora-rank: FP8 projections under LoRA adapters are not built (the adapters "
+                             "read the unquantised norm output)")
+        if self.fp8 != "none" and self.device == "cuda" and (why := fp8_supported(torch.device("cuda"))):
+            raise TrainError(f"--fp8: {why}")
         if self.merge and not self.lora_rank:
             raise TrainError("--merge folds LoRA adapters into the base: it needs --lora-rank")
         if self.lora_rank and self.random_init and not self.merge:

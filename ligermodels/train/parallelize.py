@@ -146,6 +146,8 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
         model.requires_grad_(False)
     else:
         apply_activation_checkpointing(model, config.ac)
+        if config.fp8 != "none":
+            model.use_fp8(config.fp8)
     if config.dtype == "bf16" and (frozen or (world == 1 and config.lora_rank)):
         # A frozen base (LoRA's on one rank, or the reference copy) computes in bf16 and has no master: allocated
         # in bf16 at once, so the device never holds its fp32 copy (30 GB at 7.6B parameters); adapters stay fp32.
