@@ -108,7 +108,7 @@ def curve(args) -> dict:
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in corpus(args.curve_docs, 0))
     runs = []
-    for mode in args.modes:
+    for mode in args.curve_modes:
         out = os.path.join(args.out, "curve", mode)
         cmd = train_cmd(model_dir, data, out, mode, 512, 16, args.curve_steps, 1e-3, 50, "cosine", [])
         metrics, wall, error = run(cmd, out, args.timeout)
@@ -204,10 +204,39 @@ def kernels_breakdown(args) -> dict:
     return {"tokens": m, "copy_gbs": round(copy_gbs, 1), "rows": rows}
 
 
+def logits_distance(args) -> dict:
+    """How far FP8 projections move a model's output: the speed shape (Llama-3.1-8B, ``--layers`` layers, random
+    init, bf16) on random tokens, logits with ``use_fp8(mode)`` against the same model in bf16, as
+    ||fp8 - bf16|| / ||bf16||, and the same for the next-token loss; per mode."""
+    import torch
+
+    from ligermodels.families import config_from_hf, family_of
+
+    config = {**LLAMA_3_1_8B, "num_hidden_layers": args.layers}
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = family_of("llama").cls(config_from_hf(config)).to(torch.bfloat16).init_weights().eval()
+    ids = torch.randint(0, config["vocab_size"], (args.batch, args.seq), device="cuda")
+    rows = []
+    with torch.no_grad():
+        ref = model(ids).float()
+        ref_loss = model.loss(ids, ids).item()
+        for mode in [m for m in args.modes if m != "bf16"]:
+            out = model.use_fp8(mode)(ids).float()
+            loss = model.loss(ids, ids).item()
+            model.use_fp8(None)
+            rows.append({"mode": mode, "logits_rel": round(((out - ref).norm() / ref.norm()).item(), 5),
+                         "loss": round(loss, 5), "loss_bf16": round(ref_loss, 5)})
+            print(json.dumps(rows[-1]), flush=True)
+    return {"shape": f"Llama-3.1-8B, {args.layers} layers, random init (std 0.02)", "tokens": ids.numel(),
+            "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="work directory")
-    ap.add_argument("--only", choices=("speed", "curve", "kernels"), help="run one part (default speed and curve)")
+    ap.add_argument("--only", choices=("speed", "curve", "kernels", "logits"),
+                    help="run one part (default speed and curve)")
     ap.add_argument("--modes", nargs="+", default=list(MODES[:2]), choices=MODES)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
@@ -217,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ac", default="none", choices=("none", "selective", "full"))
     ap.add_argument("--profile", action="store_true", help="speed: ligermodels.train's --profile table per mode")
     ap.add_argument("--curve-steps", type=int, default=600)
+    ap.add_argument("--curve-modes", nargs="+", default=list(MODES[:2]), choices=MODES)
     ap.add_argument("--curve-docs", type=int, default=200000)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--tag", default="")
@@ -230,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         payload["curve"] = curve(args)
     if args.only == "kernels":
         payload["kernels"] = kernels_breakdown(args)
+    if args.only == "logits":
+        payload["logits"] = logits_distance(args)
     env = environment()
     path = write_results(f"fp8-{env['gpu'].replace(' ', '_')}-{env['date']}{args.tag}", payload, args.results)
     print(f"wrote {path}")

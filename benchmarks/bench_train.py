@@ -53,6 +53,7 @@ first step's loss is the same base loss on both sides.
 * ``ligermodels-lora``: ``python -m ligermodels.train --model WORK/<model>/base --lora-rank 16 --lora-alpha 32
   --lora-dropout 0 --lora-targets q,k,v,o,gate,up,down`` and the flags above. Its peak memory is the whole
   process's, loading included (the trainer reads the base in fp32 and casts it to bf16 on the GPU).
+* ``ligermodels-lora-fp8``: the same with ``--fp8 rowwise`` (the frozen base's GEMMs in FP8, the adapters' bf16).
 * ``hf+peft+liger`` / ``hf+peft+compile``: the Trainer (``use_liger_kernel=True`` / ``torch_compile=True``)
   on ``peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
   LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=[q_proj, ..., down_proj]))``: PEFT keeps
@@ -110,7 +111,8 @@ from benchmarks.common import (
 FULL_IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-tokens", "ligermodels-vocab", "ligermodels-graph",
               "hf", "hf+liger", "hf+compile", "bare")
 #: The LoRA runs: ``--lora`` runs the first three; ``hf+peft`` (the Trainer alone) only when named in --impls.
-LORA_IMPLS = ("ligermodels-lora", "hf+peft+liger", "hf+peft+compile", "hf+peft", "ligermodels-lora-graph")
+LORA_IMPLS = ("ligermodels-lora", "hf+peft+liger", "hf+peft+compile", "hf+peft", "ligermodels-lora-graph",
+              "ligermodels-lora-fp8")
 IMPLS = FULL_IMPLS + LORA_IMPLS
 #: What runs without ``--impls``: the loss-head variants only when asked for.
 DEFAULT_FULL_IMPLS = tuple(i for i in FULL_IMPLS
@@ -207,7 +209,8 @@ def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: s
            "--lr-schedule", "constant", "--warmup-steps", "0", "--seed", str(SEED), "--ac", args.ac,
            "--attention", "causal" if impl == "ligermodels-causal" else "documents",
            *(["--loss-strategy", impl.split("-")[1]] if impl in ("ligermodels-tokens", "ligermodels-vocab") else []),
-           *(["--cuda-graph"] if impl.endswith("-graph") else [])]
+           *(["--cuda-graph"] if impl.endswith("-graph") else []),
+           *(["--fp8", "rowwise"] if impl.endswith("-fp8") else [])]
     if lora:
         cmd += ["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
                 str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])]
@@ -629,10 +632,13 @@ def lora_targets(rows: list[dict]) -> dict:
     is absent where a run is missing or failed)."""
     by = {r["impl"]: r for r in rows if "error" not in r}
     ours = by.get("ligermodels-lora")
-    if not ours:
-        return {}
-    return _speed_memory(by, ours, "speed_vs_fastest_peft", HF_LORA_IMPLS[:2], "memory_vs_peft_liger",
-                         "hf+peft+liger", LORA_TARGETS)
+    out = {} if not ours else _speed_memory(by, ours, "speed_vs_fastest_peft", HF_LORA_IMPLS[:2],
+                                            "memory_vs_peft_liger", "hf+peft+liger", LORA_TARGETS)
+    if "ligermodels-lora-fp8" in by:  # the frozen base in FP8 (--fp8 rowwise) against the bf16 Trainers
+        fp8 = _speed_memory(by, by["ligermodels-lora-fp8"], "speed_vs_fastest_peft", HF_LORA_IMPLS[:2],
+                            "memory_vs_peft_liger", "hf+peft+liger", LORA_TARGETS)
+        out.update({f"fp8_{k}": v for k, v in fp8.items()})
+    return out
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -28,6 +28,7 @@ TARGETS = {
                             "linear", "decode"),
     "docs/preference.md": ("preference", "dpo_head"),
     "docs/moe.md": ("moe",),
+    "docs/fp8.md": ("fp8",),
 }
 #: Display names of the benchmark shapes (public configs, benchmarks/common.py MODELS).
 MODEL_NAMES = {"llama-1b": "Llama-3.2-1B", "qwen2-1.5b": "Qwen2-1.5B", "qwen2-7b": "Qwen2-7B",
@@ -107,7 +108,7 @@ _TRAIN_IMPLS = {"ligermodels": "`python -m ligermodels.train`", "ligermodels-cau
 _LORA_IMPLS = {"ligermodels-lora": "`python -m ligermodels.train --lora-rank ...`",
                "ligermodels-lora-graph": "the same, `--cuda-graph`",
                "hf+peft+liger": "Trainer + PEFT + Liger-Kernel", "hf+peft+compile": "Trainer + PEFT + torch.compile",
-               "hf+peft": "Trainer + PEFT"}
+               "hf+peft": "Trainer + PEFT", "ligermodels-lora-fp8": "the same, `--fp8 rowwise` (frozen base in FP8)"}
 
 
 def _shape(r: dict) -> tuple:
@@ -249,7 +250,11 @@ def lora_table(runs: list[dict]) -> str:
                 lines.append(f"{head} {r['tokens_per_s']:,.0f} | {r['peak_mem_gb']:.1f} |")
         names = {"speed_vs_fastest_peft": "speed vs faster Trainer + PEFT",
                  "memory_vs_peft_liger": "memory vs Trainer + PEFT + Liger"}
-        lines += _checks_table(measured, names, ("memory_vs_peft_liger",), measured[0]["targets"])
+        goals = dict(measured[0]["targets"])
+        if any("fp8_speed_vs_fastest_peft" in c for run in measured for c in run["checks"].values()):
+            names["fp8_speed_vs_fastest_peft"] = "`--fp8 rowwise`: speed vs faster Trainer + PEFT"
+            goals["fp8_speed_vs_fastest_peft"] = goals["speed_vs_fastest_peft"]
+        lines += _checks_table(measured, names, ("memory_vs_peft_liger",), goals)
     fits = [f for run in runs for f in run.get("max_batch", [])]
     if fits:
         def found(f: dict) -> str:
@@ -813,6 +818,88 @@ def dpo_head_table(d: dict) -> str:
     return "\n".join(lines + _sources([d]))
 
 
+# ------------------------------------------------------------------------------------------ FP8
+_FP8_MODES = {"bf16": "bf16", "rowwise": "`--fp8 rowwise`", "rowwise-e5m2": "`--fp8 rowwise-e5m2`",
+              "rowwise-gw-bf16": "`--fp8 rowwise-gw-bf16`"}
+
+
+def _fp8_speed(d: dict) -> list[str]:
+    sp = d["speed"]
+    lines = [f"**{sp['shape']}, micro-batch {sp['batch']} x {sp['seq']} tokens, activation checkpointing "
+             f"{sp['ac']}** ({_short_gpu(d['gpu'])}):", "",
+             "| mode | tokens/s | step ms | MFU (of the bf16 peak) | peak memory (GB) | / bf16 |",
+             "|---|---|---|---|---|---|"]
+    base = next((r for r in sp["rows"] if r["mode"] == "bf16" and "tokens_per_s" in r), None)
+    for r in sp["rows"]:
+        if "error" in r:
+            lines.append(f"| {_FP8_MODES[r['mode']]} | failed: {r['error'].strip().splitlines()[-1]} | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}" if base else ""
+        lines.append(f"| {_FP8_MODES[r['mode']]} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | "
+                     f"{100 * r['mfu_bf16_peak']:.1f}% | {r['peak_mem_gb']:.1f} | {ratio} |")
+    for name, c in sp["checks"].items():
+        lines.append(f"\nTarget {name}: {c['value']} against at least {c['target']} "
+                     f"({'holds' if c['holds'] else 'does not hold'}).")
+    return lines + [""]
+
+
+def _fp8_curve(d: dict) -> list[str]:
+    cv = d["curve"]
+    runs = [r for r in cv["runs"] if "losses" in r]
+    m = cv["model"]
+    lines = [f"**Loss curves** ({_short_gpu(d['gpu'])}): a Llama of hidden {m['hidden_size']}, "
+             f"{m['num_hidden_layers']} layers, intermediate {m['intermediate_size']} on the demo's corpus "
+             f"(character tokens), seq {cv['seq']}, batch {cv['batch']}, lr {cv['lr']}, {cv['steps']} steps from the "
+             f"same init on the same rows; the final loss is the mean of the last {cv['tail']} steps.", "",
+             "| step | " + " | ".join(_FP8_MODES[r["mode"]] for r in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    steps = len(runs[0]["losses"]) if runs else 0
+    for i in [0, *range(49, steps, 50)]:
+        window = slice(max(0, i - 9), i + 1)  # the mean of the 10 steps ending here
+        cells = [f"{sum(r['losses'][window]) / len(r['losses'][window]):.4f}" for r in runs]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    lines.append("| final (mean of the tail) | " + " | ".join(f"{r['final_loss']:.4f}" for r in runs) + " |")
+    for name, c in cv["checks"].items():
+        lines.append(f"\nTarget {name}: {c['value']} against at most {c['target']} "
+                     f"({'holds' if c['holds'] else 'does not hold'}).")
+    return lines + ["", "(Each row but the first and the last: the mean of the 10 steps ending at that step.)", ""]
+
+
+def _fp8_kernels(d: dict) -> list[str]:
+    k = d["kernels"]
+    lines = [f"**Pieces at one Llama-3.1-8B layer, {k['tokens']} tokens** ({_short_gpu(d['gpu'])}; kernel time after "
+             f"an L2 flush; copy bandwidth {k['copy_gbs']:.0f} GB/s measured in the same run):", "",
+             "| piece | ms | TFLOP/s | bytes moved (MB) | % of copy bandwidth |", "|---|---|---|---|---|"]
+    for r in k["rows"]:
+        lines.append(f"| {r['piece']} | {r['ms']:.3f} | {r.get('tflops', '')} | "
+                     f"{r['bytes'] / 1e6:.0f} | {100 * r['copy_fraction']:.0f}% |" if "bytes" in r else
+                     f"| {r['piece']} | {r['ms']:.3f} | {r.get('tflops', '')} | | |")
+    return lines + [""]
+
+
+def _fp8_logits(d: dict) -> list[str]:
+    lg = d["logits"]
+    lines = [f"**Distance from bf16** ({_short_gpu(d['gpu'])}, {lg['shape']}, {lg['tokens']} random tokens): the same "
+             "weights with and without FP8 projections.", "",
+             "| mode | logits, relative distance | next-token loss (bf16: same tokens) |", "|---|---|---|"]
+    for r in lg["rows"]:
+        lines.append(f"| {_FP8_MODES[r['mode']]} | {r['logits_rel']:.4f} | {r['loss']:.4f} ({r['loss_bf16']:.4f}) |")
+    return lines + [""]
+
+
+def fp8() -> str:
+    """bench_fp8's files: speed against bf16 per shape and batch, the loss curves, the kernel breakdown."""
+    files = _files("fp8")
+    if not files:
+        return "No results committed yet."
+    lines = []
+    for part, table in (("speed", _fp8_speed), ("curve", _fp8_curve), ("logits", _fp8_logits),
+                        ("kernels", _fp8_kernels)):
+        for d in sorted((d for d in files if part in d), key=lambda d: d["_file"]):
+            lines += table(d)
+    return "\n".join(lines + _sources(files)[1:])
+
+
 # ------------------------------------------------------------------------------------------ mixture of experts
 def moe_kernels_table(d: dict) -> str:
     """bench_moe's rows: the data movement ops against eager PyTorch, the grouped GEMMs against a dense GEMM of the
@@ -872,7 +959,7 @@ def blocks() -> dict[str, str]:
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
             "decode": _newest("decode", decode_table), "preference": _newest("preference", preference_table),
-            "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table)}
+            "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table), "fp8": fp8()}
 
 
 def render(text: str, names: tuple[str, ...], generated: dict[str, str], path: str = "") -> str:

@@ -55,7 +55,6 @@ from kernels.fp8 import (
     _pow2_scale,
     fp8_forward,
     fp8_input_grad,
-    fp8_linear,
     quant_block,
     weight_grad,
 )
@@ -63,6 +62,7 @@ from kernels.low_rank import (
     LowRank,
     check_low_rank,
     dropout_mask,
+    lora_linear,
     low_rank_backward,
     low_rank_grad_a,
     low_rank_input_grad,
@@ -321,7 +321,7 @@ class GLULinearFunction(torch.autograd.Function):
                 lora_dropout: float = 0.0, fp8=None) -> torch.Tensor:
         z = bb = mask = h = None
         ctx.fp8 = fp8
-        if fp8 is not None:  # the GLU kernel writes h in FP8 with its row scales; backward writes h again in bf16
+        if fp8 is not None and lora_a is None:  # the GLU kernel writes h in FP8 with its row scales
             hq, hs = _glu_fwd_fp8(x, act)
             out, keep_activation = fp8_forward(hq, hs, weight, bias, x.dtype).view(*x.shape[:-1], -1), False
         elif lora_a is None:
@@ -332,7 +332,7 @@ class GLULinearFunction(torch.autograd.Function):
             h2 = h.view(-1, h.shape[-1])
             mask = dropout_mask(h2, lora_dropout)
             lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
-            out, z, bb = low_rank_linear(h2, weight, bias, lr, mask)
+            out, z, bb = low_rank_linear(h2, weight, bias, lr, mask, fp8)
             out = out.view(*h.shape[:-1], weight.shape[0])
             ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         lora = save_low_rank(lora_a, lora_b, z, bb, mask)
@@ -350,14 +350,14 @@ class GLULinearFunction(torch.autograd.Function):
         needs_la, needs_lb = ctx.needs_input_grad[5:7]
         d2 = dout.reshape(-1, dout.shape[-1])
         dla = dlb = None
-        if ctx.fp8 is not None:
+        if ctx.fp8 is not None and lora_a is None:
             dh = fp8_input_grad(d2, weight, ctx.fp8.grad_dtype)
         elif lora_a is None:
             dh = d2 @ weight  # (M, I)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
             dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
-            dh = low_rank_input_grad(d2, weight, dz, lr, mask)
+            dh = low_rank_input_grad(d2, weight, dz, lr, mask, ctx.fp8)
         needs_h = needs_w or (lora_a is not None and needs_la)
         if kept is not None or not needs_h:
             h, dx = kept, _glu_bwd(dh, x, None, ctx.act)
@@ -423,7 +423,8 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             writes the activation again once for both dW and dA. A frozen weight or bias gets no gradient.
         fp8: None (a bf16 GEMM), or a mode of :data:`kernels.fp8.FP8_MODES`: the GLU kernel writes the activation
             in FP8 with row scales for the forward GEMM, the gradients' GEMMs run in FP8 as the mode says
-            (:mod:`kernels.fp8`); ``keep_activation`` is then ignored. Not with ``low_rank``.
+            (:mod:`kernels.fp8`); ``keep_activation`` is then ignored. With ``low_rank`` the activation is written
+            in x's dtype for the adapters and quantised for the base GEMMs by a pass of its own.
     Returns:
         (..., H) in the input dtype.
     """
@@ -440,11 +441,10 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"glu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "glu_linear")
-    if fp8 is not None and (fp8 not in FP8_MODES or low_rank is not None):
-        raise ValueError(f"glu_linear: fp8 must be None or one of {sorted(FP8_MODES)}, without low_rank; got "
-                         f"{fp8!r}{' with low_rank' if low_rank is not None else ''}")
+    if fp8 is not None and fp8 not in FP8_MODES:
+        raise ValueError(f"glu_linear: fp8 must be None or one of {sorted(FP8_MODES)}, got {fp8!r}")
     if fp8 is not None and not use_triton(x):  # the activation materialised, then the same quantised GEMMs
-        return fp8_linear(glu_reference(x, None, act), weight, bias, fp8)
+        return lora_linear(glu_reference(x, None, act), weight, bias, low_rank, fp8)
     if not use_triton(x):
         h = glu_reference(x, None, act)
         out = F.linear(h, weight, bias)

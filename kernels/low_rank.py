@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import FP8_MODES, FP8Recipe, fp8_forward, fp8_input_grad, fp8_linear, quantize_rows, weight_grad
+
 
 class LowRank(NamedTuple):
     """The adapters of one projection (K -> N): see the module docstring."""
@@ -104,7 +106,8 @@ def block_b(lr: LowRank, n_out: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def low_rank_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lr: LowRank,
-                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    mask: torch.Tensor | None, fp8: FP8Recipe | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``F.linear(x2, weight, bias)`` (x2 (M, K), weight (N, K)) plus the low-rank term of x2: returns
     (out (M, N) in x2's dtype, z = scale * dropout(x2) @ A.T (M, T*r) in the compute dtype, and
     :func:`block_b` in that dtype; both for backward, which so builds the block matrix no second time).
@@ -112,11 +115,14 @@ def low_rank_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     The base GEMM runs last and accumulates onto the low-rank term (``out = z @ block_b (+ bias)``, then
     ``out.addmm_(x2, W.T)``: cuBLAS reads out once as its C operand), instead of adding the term onto the
     base output afterwards, which read and wrote the (M, N) output once more: Qwen2-7B's four projections,
-    batch 4 x 2048, H100: 5.68 ms a layer against 6.22 (5.08 without adapters)."""
+    batch 4 x 2048, H100: 5.68 ms a layer against 6.22 (5.08 without adapters). With ``fp8`` the base GEMM is
+    :mod:`kernels.fp8`'s, on x2 quantised by rows, and is added to the low-rank term."""
     cd = compute_dtype(x2.dtype)
     z = (_input(x2, mask, lr.dropout, cd) @ lr.a.to(cd).t()).mul_(lr.scale)
     bb = block_b(lr, weight.shape[0], cd)
     out = torch.addmm(bias.to(cd), z, bb) if bias is not None else z @ bb
+    if fp8 is not None:
+        return out.add_(fp8_forward(*quantize_rows(x2), weight, None, x2.dtype)).to(x2.dtype), z, bb
     return out.addmm_(x2, weight.t()), z, bb
 
 
@@ -136,12 +142,15 @@ def low_rank_backward(d2: torch.Tensor, lr: LowRank, z: torch.Tensor, bb: torch.
 
 
 def low_rank_input_grad(d2: torch.Tensor, weight: torch.Tensor, dz: torch.Tensor, lr: LowRank,
-                        mask: torch.Tensor | None) -> torch.Tensor:
+                        mask: torch.Tensor | None, fp8: FP8Recipe | None = None) -> torch.Tensor:
     """dx2 = d2 @ weight + dropout'(dz @ A) (M, K), the base GEMM last, accumulating onto the low-rank part
-    (one pass over dx2 fewer, as in :func:`low_rank_linear`)."""
+    (one pass over dx2 fewer, as in :func:`low_rank_linear`); with ``fp8`` the base GEMM is
+    :func:`kernels.fp8.fp8_input_grad`, added to the low-rank part."""
     part = dz @ lr.a.to(dz.dtype)
     if mask is not None:
         part.masked_fill_(~mask.view(part.shape), 0.0).mul_(1.0 / (1.0 - lr.dropout))
+    if fp8 is not None:
+        return part.add_(fp8_input_grad(d2, weight, fp8.grad_dtype)).to(d2.dtype)
     return part.addmm_(d2, weight)
 
 
@@ -185,13 +194,13 @@ class LoRALinearFunction(torch.autograd.Function):
     low-rank term; saves x, the weights, z, the block matrix and the keep-mask. No dW when the weight is frozen."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, a, b, slices, scale: float, dropout: float):
+    def forward(ctx, x, weight, bias, a, b, slices, scale: float, dropout: float, fp8=None):
         lr = LowRank(a, b, slices, scale, dropout)
         x2 = x.reshape(-1, x.shape[-1])
         mask = dropout_mask(x2, dropout)
-        out, z, bb = low_rank_linear(x2, weight, bias, lr, mask)
+        out, z, bb = low_rank_linear(x2, weight, bias, lr, mask, fp8)
         ctx.save_for_backward(x, weight, a, b, z, bb, mask)
-        ctx.low_rank = (slices, scale, dropout)
+        ctx.low_rank, ctx.fp8 = (slices, scale, dropout), fp8
         return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
@@ -202,25 +211,29 @@ class LoRALinearFunction(torch.autograd.Function):
         d2 = dout.reshape(-1, dout.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         dz, db = low_rank_backward(d2, lr, z, bb, needs_b)
-        dx = low_rank_input_grad(d2, weight, dz, lr, mask).view(x.shape) if needs_x else None
-        dw = d2.t() @ x2 if needs_w else None
+        dx = low_rank_input_grad(d2, weight, dz, lr, mask, ctx.fp8).view(x.shape) if needs_x else None
+        dw = None if not needs_w else weight_grad(d2, x2, ctx.fp8) if ctx.fp8 is not None else d2.t() @ x2
         dbias = d2.sum(0) if needs_bias else None
         da = low_rank_grad_a(dz, x2, lr, mask) if needs_a else None
-        return dx, dw, dbias, da, db, None, None, None
+        return dx, dw, dbias, da, db, None, None, None, None
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                low_rank: LowRank | None = None) -> torch.Tensor:
+                low_rank: LowRank | None = None, fp8: str | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` plus the adapters' term (module docstring); no dW for a frozen weight.
 
     Args:
         x: (..., K); weight: (N, K); bias: (N,) or None; low_rank: the adapters, or None (plain linear).
+        fp8: None, or a mode of :data:`kernels.fp8.FP8_MODES`: the base projection's GEMMs in FP8 (the adapters'
+            stay in x's dtype).
     Returns:
         (..., N) in x's dtype.
     """
+    if fp8 is not None and fp8 not in FP8_MODES:
+        raise ValueError(f"lora_linear: fp8 must be None or one of {sorted(FP8_MODES)}, got {fp8!r}")
     if low_rank is None:
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, fp8)
     check_low_rank(low_rank, weight.shape[1], weight.shape[0], "lora_linear")
     lr = low_rank
     return LoRALinearFunction.apply(x, weight, bias, lr.a, lr.b, tuple(lr.slices), float(lr.scale),
-                                    float(lr.dropout))
+                                    float(lr.dropout), None if fp8 is None else FP8_MODES[fp8])

@@ -36,11 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels._common import use_triton
-from kernels.fp8 import FP8_MODES, fp8_forward, fp8_input_grad, fp8_linear, weight_grad
+from kernels.fp8 import FP8_MODES, fp8_forward, fp8_input_grad, weight_grad
 from kernels.low_rank import (
     LowRank,
     check_low_rank,
     dropout_mask,
+    lora_linear,
     low_rank_backward,
     low_rank_grad_a,
     low_rank_input_grad,
@@ -80,7 +81,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
                 lora_dropout: float = 0.0, fp8=None):
         z = bb = mask = None
         ctx.fp8 = fp8
-        if fp8 is not None:  # the norm kernel writes y in FP8 with its row scales; backward writes y again in bf16
+        if fp8 is not None and lora_a is None:  # the norm kernel writes y in FP8 with its row scales
             if residual is None:
                 (yq, ys, rstd), h = _rms_norm_fwd_fp8(x, norm_weight, eps, offset, casting), x
             else:
@@ -97,7 +98,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
             else:
                 lr = LowRank(lora_a, lora_b, lora_slices, lora_scale, lora_dropout)
                 mask = dropout_mask(y2, lora_dropout)
-                out2, z, bb = low_rank_linear(y2, weight, bias, lr, mask)
+                out2, z, bb = low_rank_linear(y2, weight, bias, lr, mask, fp8)
                 ctx.low_rank = (lora_slices, lora_scale, lora_dropout)
         # A 2-D GEMM, then an untracked reshape: the output must not be a view (the rotary
         # embedding rotates the q/k/v projection output in place, which autograd forbids on views).
@@ -125,14 +126,14 @@ class RMSNormLinearFunction(torch.autograd.Function):
             return (dh, dh) + (None,) * 13
         d2 = dout.reshape(-1, dout.shape[-1])
         dw = dla = dlb = None
-        if ctx.fp8 is not None:
+        if ctx.fp8 is not None and lora_a is None:
             dy = fp8_input_grad(d2, weight, ctx.fp8.grad_dtype).view(*dout.shape[:-1], weight.shape[1])
         elif lora_a is None:
             dy = dout.matmul(weight)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
             dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
-            dy = low_rank_input_grad(d2, weight, dz, lr, mask).view(*dout.shape[:-1], weight.shape[1])
+            dy = low_rank_input_grad(d2, weight, dz, lr, mask, ctx.fp8).view(*dout.shape[:-1], weight.shape[1])
         if needs_w or (lora_a is not None and needs_la):
             # the norm output: kept from forward, or written again
             y = kept if kept is not None else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
@@ -181,7 +182,8 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
             that needs no gradient (frozen) gets none computed.
         fp8: None (bf16 GEMMs), or a mode of :data:`kernels.fp8.FP8_MODES`: the norm kernel writes its output in
             FP8 with row scales for the forward GEMM, the gradients' GEMMs run in FP8 as the mode says
-            (:mod:`kernels.fp8`); ``keep_output`` is then ignored. Not with ``low_rank``.
+            (:mod:`kernels.fp8`); ``keep_output`` is then ignored. With ``low_rank`` the norm output is written in
+            x's dtype for the adapters and quantised for the base GEMMs by a pass of its own.
     Returns:
         (..., N) projection output; with a residual, ``(out, h)`` where h = x + residual (..., H) is
         the new residual stream, as :func:`kernels.fused_add_rms_norm` returns it.
@@ -195,14 +197,14 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
         raise ValueError(f"rms_norm_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "rms_norm_linear")
-    if fp8 is not None and (fp8 not in FP8_MODES or low_rank is not None):
-        raise ValueError(f"rms_norm_linear: fp8 must be None or one of {sorted(FP8_MODES)}, without low_rank; got "
-                         f"{fp8!r}{' with low_rank' if low_rank is not None else ''}")
+    if fp8 is not None and fp8 not in FP8_MODES:
+        raise ValueError(f"rms_norm_linear: fp8 must be None or one of {sorted(FP8_MODES)}, got {fp8!r}")
     if fp8 is not None and not use_triton(x):  # the norm output materialised, then the same quantised GEMMs
         if residual is None:
-            return fp8_linear(rms_norm_reference(x, norm_weight, eps, offset, casting), weight, bias, fp8)
+            return lora_linear(rms_norm_reference(x, norm_weight, eps, offset, casting), weight, bias, low_rank,
+                               fp8)
         y, h = fused_add_rms_norm_reference(x, residual, norm_weight, eps, offset, casting)
-        return fp8_linear(y, weight, bias, fp8), h
+        return lora_linear(y, weight, bias, low_rank, fp8), h
     if not use_triton(x):
         return rms_norm_linear_reference(x, norm_weight, weight, bias, residual, eps, offset, casting, low_rank)
     lr = (None, None, None, 1.0, 0.0) if low_rank is None else (

@@ -90,15 +90,14 @@ class CausalLM(nn.Module):
         operands with power-of-two scales along their reduction dims; "rowwise-e5m2": output gradients in e5m2;
         "rowwise-gw-bf16": weight gradients in bf16), or None (back to bf16).
         The weights stay as they are (FP8 copies are made on each call); embeddings, norms, attention, the loss
-        head and mixture-of-experts layers' experts and router stay in the compute dtype. Not with LoRA adapters
-        (they read the unquantised norm output). Returns the model."""
+        head and mixture-of-experts layers' experts and router stay in the compute dtype. Under LoRA adapters the
+        frozen base's GEMMs run in FP8 and the adapters' in the compute dtype; call it after ``add_lora`` or
+        before (the adapted projections keep the mode). Returns the model."""
         if mode is not None and mode not in FP8_MODES:
             raise ValueError(f"use_fp8: mode must be None or one of {sorted(FP8_MODES)}, got {mode!r}")
         for layer in self.layers:
             linears = [layer.attn.qkv, layer.attn.o] + ([] if isinstance(layer.mlp, MoE) else
                                                          [layer.mlp.gate_up, layer.mlp.down])
-            if mode is not None and any(getattr(m, "low_rank", None) is not None for m in linears):
-                raise ValueError("use_fp8: the model has LoRA adapters; FP8 projections under adapters are not built")
             for m in linears:
                 m.fp8 = mode
         return self

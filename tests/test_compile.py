@@ -73,14 +73,15 @@ def test_op_compiles_without_graph_break_and_matches_eager(name):
         assert rel_err(a, b) <= 1e-2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora", "qwen3", "qwen3_moe", "llama+fp8"])
 def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_type):
     """The decoder's loss (attention with its SDPA backend choice, every custom op, the loss head) in one graph;
-    "+lora": adapters on all seven projections (inside the fused norm/GLU/linear Functions), their gradients."""
+    "+lora": adapters on all seven projections (inside the fused norm/GLU/linear Functions), their gradients;
+    "+fp8": the projections in FP8 (use_fp8("rowwise"): the quantising norm/GLU kernels, torch._scaled_mm)."""
     from ligermodels.families import config_from_hf, family_of
     from ligermodels.lora import add_lora, lora_modules
 
-    model_type, lora = model_type.split("+")[0], model_type.endswith("+lora")
+    model_type, lora, fp8 = model_type.split("+")[0], model_type.endswith("+lora"), model_type.endswith("+fp8")
 
     hf = dict(model_type=model_type, vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
@@ -99,7 +100,9 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
             add_lora(model, r=16, alpha=32, targets=["q", "k", "v", "o", "gate", "up", "down"])
             for m in lora_modules(model).values():
                 torch.nn.init.normal_(m.lora_B, std=0.02)
-    ids = torch.randint(0, 1000, (2, 300), device="cuda")
+        if fp8:
+            model.use_fp8("rowwise")
+    ids = torch.randint(0, 1000, (2, 304), device="cuda")  # 608 tokens: a multiple of 16, as FP8 GEMMs need
 
     def loss_and_grads(fn):
         model.zero_grad(set_to_none=True)
@@ -111,6 +114,7 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
     compiled = loss_and_grads(torch.compile(model.loss, fullgraph=True))
     # bf16 rounding between the eager and compiled graphs; Qwen3's k-norm weight gradient (a sum over every token
     # and head, rounded to bf16) differed by 1.2e-2 on an H200
-    bound = 2e-2 if model_type.startswith("qwen3") else 1e-2
+    # (FP8: a value rounded otherwise in bf16 may land on the other side of an fp8 rounding boundary)
+    bound = 2e-2 if model_type.startswith("qwen3") or fp8 else 1e-2
     for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):
         assert rel_err(a, b) <= bound, f"tensor {i} (0 = loss, then parameter gradients): {rel_err(a, b):.2e}"

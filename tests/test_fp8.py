@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.fp8
-from kernels import glu_linear, rms_norm_linear
+from kernels import LowRank, glu_linear, lora_linear, rms_norm_linear
 from kernels.fp8 import (
     E4M3,
     E5M2,
@@ -18,6 +18,7 @@ from kernels.fp8 import (
     quantize_rows,
     quantize_rows_reference,
 )
+from kernels.low_rank import low_rank_reference
 from tests.utils import DEVICE, assert_triton_runs, randn, rel_err
 
 
@@ -196,3 +197,48 @@ def test_fp8_gemm_on_the_gpu_equals_the_dequantised_product():
     xq, xs = quantize_rows_reference(x.double().cpu())
     wq, ws = quantize_rows_reference(w.double().cpu())
     assert rel_err(out, dequantize(xq, xs, torch.float64) @ dequantize(wq, ws, torch.float64).t()) <= 4e-3
+
+
+def _adapters(k: int, n: int, targets: int = 2, r: int = 4):
+    """A two-target LowRank on an (n, k) projection (the halves of its output) with nonzero B, and its float64
+    copy, both with gradients."""
+    a, b = 0.1 * randn(targets * r, k), 0.1 * randn(n, r)
+    slices = ((0, n // 2), (n // 2, n))
+    ours = [t.clone().requires_grad_() for t in (a, b)]
+    ref = [t.detach().double().cpu().requires_grad_() for t in (a, b)]
+    return (LowRank(ours[0], ours[1], slices, 2.0, 0.0), ours), (LowRank(ref[0], ref[1], slices, 2.0, 0.0), ref)
+
+
+@pytest.mark.parametrize("op", ["rms_norm_linear", "glu_linear", "lora_linear"])
+def test_adapters_on_a_frozen_fp8_base_match_the_float64_quantised_math(op):
+    """LoRA over an FP8 base: the frozen base's GEMMs on quantised operands, the adapters' on the unquantised
+    input; the output and the gradients of the input and of both adapter matrices as the float64 oracle's (base
+    through _QuantisedLinear64, adapters through low_rank_reference)."""
+    m, k, n = 26, 48, 64
+    width = 2 * k if op == "glu_linear" else k
+    x, weight, w_norm = randn(2, m // 2, width, scale=2.0), 0.2 * randn(n, k), 1.0 + 0.1 * randn(k)
+    dout = randn(2, m // 2, n)
+    assert_triton_runs(x)
+    (lr, lr_params), (lr64, lr64_params) = _adapters(k, n)
+    xs = x.clone().requires_grad_()
+    if op == "rms_norm_linear":
+        out = rms_norm_linear(xs, w_norm, weight, low_rank=lr, fp8="rowwise")
+    elif op == "glu_linear":
+        out = glu_linear(xs, weight, low_rank=lr, fp8="rowwise")
+    else:
+        out = lora_linear(xs, weight, low_rank=lr, fp8="rowwise")
+    xr = x.double().cpu().requires_grad_()
+    if op == "rms_norm_linear":
+        y = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * w_norm.double().cpu()
+    elif op == "glu_linear":
+        g, u = xr.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    else:
+        y = xr
+    base = _QuantisedLinear64.apply(y, weight.double().cpu(), FP8_MODES["rowwise"])
+    out_r = low_rank_reference(y, base, lr64)
+    assert rel_err(out, out_r) <= BOUND
+    got = torch.autograd.grad(out, [xs, *lr_params], dout)
+    want = torch.autograd.grad(out_r, [xr, *lr64_params], dout.double().cpu())
+    for name, a, b in zip(("x", "A", "B"), got, want, strict=True):
+        assert rel_err(a, b) <= BOUND, name

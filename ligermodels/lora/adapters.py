@@ -75,6 +75,7 @@ class LoRALinear(nn.Linear):
         self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_use_rslora = r, alpha, dropout, use_rslora
         self.lora_scale = alpha / (math.sqrt(r) if use_rslora else r)
         self.lora_enabled = True  # False inside adapters_disabled(): the frozen base alone
+        self.fp8 = getattr(base, "fp8", None)  # the base projection's FP8 mode (CausalLM.use_fp8)
         device = base.weight.device
         width = sum(e - s for s, e in self.lora_slices)
         self.lora_A = nn.Parameter(torch.empty(len(self.lora_targets) * r, self.in_features, device=device))
@@ -98,7 +99,7 @@ class LoRALinear(nn.Linear):
                        self.lora_dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return lora_linear(x, self.weight, self.bias, self.low_rank())
+        return lora_linear(x, self.weight, self.bias, self.low_rank(), self.fp8)
 
     @staticmethod
     def weight_key(name: str) -> str:

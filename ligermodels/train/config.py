@@ -118,8 +118,9 @@ class TrainConfig:
     fp8: str = _flag("none", "run the decoder layers' projections in FP8 (kernels.fp8): rowwise = forward, input- and "
                              "weight-gradient GEMMs on e4m3 operands with one power-of-two scale per row along "
                              "each GEMM's reduction dim; rowwise-e5m2 = output gradients in e5m2; rowwise-gw-bf16 = "
-                             "weight gradients in bf16. Needs compute capability 8.9+ (Ada, Hopper) on CUDA; not "
-                             "with LoRA", ("none", "rowwise", "rowwise-e5m2", "rowwise-gw-bf16"))
+                             "weight gradients in bf16. With LoRA the frozen base's GEMMs run in FP8, the "
+                             "adapters' in bf16. Needs compute capability 8.9+ (Ada, Hopper) on CUDA",
+                     ("none", "rowwise", "rowwise-e5m2", "rowwise-gw-bf16"))
     attention: str = _flag("documents", "documents: a token attends within its own document of the packed row; "
                                         "causal: across the whole row (as transformers' SDPA path without position "
                                         "ids)", ("documents", "causal"))
@@ -217,9 +218,6 @@ class TrainConfig:
             raise TrainError("--cuda-graph replays a CUDA graph: it needs --device cuda")
         if self.graph_documents < 1:
             raise TrainError(f"--graph-documents must be at least 1, got {self.graph_documents}")
-        if self.fp8 != "none" and self.lora_rank:
-            raise TrainError("--fp8 with --lora-rank: FP8 projections under LoRA adapters are not built (the adapters "
-                             "read the unquantised norm output)")
         if self.fp8 != "none" and self.device == "cuda" and (why := fp8_supported(torch.device("cuda"))):
             raise TrainError(f"--fp8: {why}")
         if self.merge and not self.lora_rank:
