@@ -205,18 +205,21 @@ def kernels_breakdown(args) -> dict:
 
 
 def logits_distance(args) -> dict:
-    """How far FP8 projections move a model's output: the speed shape (Llama-3.1-8B, ``--layers`` layers, random
-    init, bf16) on random tokens, logits with ``use_fp8(mode)`` against the same model in bf16, as
-    ||fp8 - bf16|| / ||bf16||, and the same for the next-token loss; per mode."""
+    """How far FP8 projections move a trained model's output: the curve's bf16 run's final checkpoint
+    (``--logits-model``, default ``OUT/curve/bf16/final``) in bf16 on held-out text of the demo's corpus (a seed
+    the training data did not use), logits with ``use_fp8(mode)`` against the same model without, as
+    ||fp8 - bf16|| / ||bf16||, and the next-token loss of each."""
     import torch
 
-    from ligermodels.families import config_from_hf, family_of
+    from ligermodels import AutoLigerModel
+    from ligermodels.train.demo import build_tokenizer, corpus
 
-    config = {**LLAMA_3_1_8B, "num_hidden_layers": args.layers}
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = family_of("llama").cls(config_from_hf(config)).to(torch.bfloat16).init_weights().eval()
-    ids = torch.randint(0, config["vocab_size"], (args.batch, args.seq), device="cuda")
+    src = args.logits_model or os.path.join(args.out, "curve", "bf16", "final")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoLigerModel.from_hf(src, dtype=torch.bfloat16, device=device).eval()
+    tok = build_tokenizer()
+    text = "".join(r.get("text") or r["prompt"] + r["completion"] for r in corpus(2000, 12345))
+    ids = torch.tensor(tok.encode(text).ids[:8 * 512], device=device).view(8, 512)
     rows = []
     with torch.no_grad():
         ref = model(ids).float()
@@ -228,8 +231,7 @@ def logits_distance(args) -> dict:
             rows.append({"mode": mode, "logits_rel": round(((out - ref).norm() / ref.norm()).item(), 5),
                          "loss": round(loss, 5), "loss_bf16": round(ref_loss, 5)})
             print(json.dumps(rows[-1]), flush=True)
-    return {"shape": f"Llama-3.1-8B, {args.layers} layers, random init (std 0.02)", "tokens": ids.numel(),
-            "rows": rows}
+    return {"shape": f"the loss-curve model after its bf16 run ({src})", "tokens": ids.numel(), "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -248,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--curve-steps", type=int, default=600)
     ap.add_argument("--curve-modes", nargs="+", default=list(MODES[:2]), choices=MODES)
     ap.add_argument("--curve-docs", type=int, default=200000)
+    ap.add_argument("--logits-model", help="logits: the checkpoint compared (default OUT/curve/bf16/final)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--tag", default="")
     ap.add_argument("--results", help="results directory (default benchmarks/results)")
