@@ -217,9 +217,11 @@ def logits_distance(args) -> dict:
     src = args.logits_model or os.path.join(args.out, "curve", "bf16", "final")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoLigerModel.from_hf(src, dtype=torch.bfloat16, device=device).eval()
-    tok = build_tokenizer()
-    text = "".join(r.get("text") or r["prompt"] + r["completion"] for r in corpus(2000, 12345))
-    ids = torch.tensor(tok.encode(text).ids[:8 * 512], device=device).view(8, 512)
+    tok = build_tokenizer()  # each record as training tokenises it: BOS, its characters, EOS
+    eos = tok.token_to_id("</s>")
+    stream = [i for r in corpus(2000, 12345) for i in tok.encode(r.get("text") or r["prompt"] + r["completion"]).ids
+              + [eos]]
+    ids = torch.tensor(stream[:8 * 512], device=device).view(8, 512)
     rows = []
     with torch.no_grad():
         ref = model(ids).float()

@@ -72,23 +72,29 @@ _COLS_CHUNKS = 32
 
 # --------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _pow2_scale(amax, FMAX: tl.constexpr):
-    """(scale, 1 / scale) of rows with absolute maxima ``amax``: the least power of two >= amax / FMAX, both
-    exact powers of two built from the exponent bits of ``amax / FMAX``."""
-    v = tl.maximum(amax / FMAX, 1.1754943508222875e-38)
+def _pow2_scale(amax, FORMAT: tl.constexpr):
+    """(scale, 1 / scale) of rows with absolute maxima ``amax``: the least power of two >= amax / FMAX (FORMAT 1:
+    e4m3, FMAX 448; 2: e5m2, FMAX 57344), both exact powers of two built from the exponent bits of
+    ``amax / FMAX``. (An integer format code, not a float constant: the float-constant form of these kernels
+    failed to compile under torch.compile's Inductor, torch 2.11.)"""
+    if FORMAT == 1:
+        fmax = 448.0
+    else:
+        fmax = 57344.0
+    v = tl.maximum(amax / fmax, 1.1754943508222875e-38)
     bits = v.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _fp8_grid(v, FMAX: tl.constexpr):
-    """fp32 ``v`` (|v| <= FMAX) rounded to the nearest value of the FP8 format whose largest value is FMAX (ties
+def _fp8_grid(v, FORMAT: tl.constexpr):
+    """fp32 ``v`` (|v| <= FMAX) rounded to the nearest value of the FP8 format FORMAT (1: e4m3, 2: e5m2; ties
     to even), still in fp32, so that the cast to FP8 that follows is exact. Normal values: the fp32 mantissa
     rounded to 3 (e4m3) or 2 (e5m2) bits on its bits; below the smallest normal (2^-6, 2^-14), to a multiple of the
     subnormal step (2^-9, 2^-16) by adding and subtracting 1.5 * 2^23 steps. (Rounding here, not in the cast, also
     keeps Triton's interpreter right: its cast loses the carry when rounding up crosses a power of two.)"""
-    if FMAX == 448.0:
+    if FORMAT == 1:
         shift, limit, magic = 20, 0.015625, 24576.0
     else:
         shift, limit, magic = 21, 6.103515625e-05, 192.0
@@ -99,7 +105,7 @@ def _fp8_grid(v, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, FMAX: tl.constexpr,
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, FORMAT: tl.constexpr,
                        BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """One row per program: its absolute maximum, its scale, its fp8 values. Rows wider than BLOCK are read
     twice (the second read mostly from L2)."""
@@ -108,18 +114,18 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, FMAX: tl
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
         x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=0), FMAX)
-        tl.store(q_row + cols, _fp8_grid(x * inv, FMAX).to(q_ptr.dtype.element_ty), mask=cols < n_cols)
+        scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=0), FORMAT)
+        tl.store(q_row + cols, _fp8_grid(x * inv, FORMAT).to(q_ptr.dtype.element_ty), mask=cols < n_cols)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             amax = tl.maximum(amax, tl.abs(tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32)))
-        scale, inv = _pow2_scale(tl.max(amax, axis=0), FMAX)
+        scale, inv = _pow2_scale(tl.max(amax, axis=0), FORMAT)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             x = tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32)
-            tl.store(q_row + c, _fp8_grid(x * inv, FMAX).to(q_ptr.dtype.element_ty), mask=c < n_cols)
+            tl.store(q_row + c, _fp8_grid(x * inv, FORMAT).to(q_ptr.dtype.element_ty), mask=c < n_cols)
     tl.store(s_ptr + row, scale)
 
 
@@ -140,17 +146,17 @@ def _col_amax_kernel(x_ptr, amax_ptr, stride_x, n_rows, n_cols, ROWS: tl.constex
 
 
 @triton.jit
-def _quant_cols_t_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, stride_x, stride_q, n_rows, n_cols, FMAX: tl.constexpr,
+def _quant_cols_t_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, stride_x, stride_q, n_rows, n_cols, FORMAT: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """One (BLOCK_R, BLOCK_C) tile of x, each column divided by its scale, written transposed into q (C, R); the
     first row of programs writes the scales."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
-    scale, inv = _pow2_scale(tl.load(amax_ptr + cols, mask=col_mask, other=0.0), FMAX)
+    scale, inv = _pow2_scale(tl.load(amax_ptr + cols, mask=col_mask, other=0.0), FORMAT)
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.trans(_fp8_grid(x * inv[None, :], FMAX).to(q_ptr.dtype.element_ty))
+    q = tl.trans(_fp8_grid(x * inv[None, :], FORMAT).to(q_ptr.dtype.element_ty))
     tl.store(q_ptr + cols[:, None] * stride_q + rows[None, :], q, mask=tl.trans(mask))
     if tl.program_id(0) == 0:
         tl.store(s_ptr + cols, scale, mask=col_mask)
@@ -169,7 +175,7 @@ def quant_block(cols: int, glu: bool = False) -> tuple[int, bool, int]:
 # ------------------------------------------------------------------------------------ custom ops
 @eager_op
 @triton_op(f"{LIB}::fp8_quantize_rows", mutates_args={})
-def _quantize_rows(x: torch.Tensor, fp8_max: float, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(x: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (M, K) fp8, scales (M, 1) fp32) of rows x (M, K)."""
     x2 = as_rows(x)
     rows, cols = x2.shape
@@ -177,14 +183,14 @@ def _quantize_rows(x: torch.Tensor, fp8_max: float, e5m2: bool) -> tuple[torch.T
     s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if q.numel() > 0:
         block, one, warps = quant_block(cols)
-        wrap_triton(_quant_rows_kernel)[(rows,)](x2, q, s, x2.stride(0), q.stride(0), cols, FMAX=fp8_max,
+        wrap_triton(_quant_rows_kernel)[(rows,)](x2, q, s, x2.stride(0), q.stride(0), cols, FORMAT=2 if e5m2 else 1,
                                                  BLOCK=block, ONE_BLOCK=one, num_warps=warps)
     return q, s
 
 
 @eager_op
 @triton_op(f"{LIB}::fp8_quantize_cols_t", mutates_args={})
-def _quantize_cols_t(x: torch.Tensor, fp8_max: float, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_cols_t(x: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (C, R) fp8, scales (C, 1) fp32): the columns of x (R, C) quantised, written as rows (x transposed)."""
     x2 = as_rows(x)
     rows, cols = x2.shape
@@ -197,7 +203,7 @@ def _quantize_cols_t(x: torch.Tensor, fp8_max: float, e5m2: bool) -> tuple[torch
         wrap_triton(_col_amax_kernel)[(triton.cdiv(cols, ac), triton.cdiv(rows, chunk))](
             x2, amax, x2.stride(0), rows, cols, ROWS=chunk, BLOCK_R=ar, BLOCK_C=ac, num_warps=aw)
         wrap_triton(_quant_cols_t_kernel)[(triton.cdiv(rows, qr), triton.cdiv(cols, qc))](
-            x2, amax, q, s, x2.stride(0), q.stride(0), rows, cols, FMAX=fp8_max, BLOCK_R=qr, BLOCK_C=qc,
+            x2, amax, q, s, x2.stride(0), q.stride(0), rows, cols, FORMAT=2 if e5m2 else 1, BLOCK_R=qr, BLOCK_C=qc,
             num_warps=qw)
     return q, s
 
@@ -238,7 +244,7 @@ def quantize_rows(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> tuple[torch
     """(q (M, K) fp8, scales (M, 1) fp32) of rows x (..., K): the kernel where Triton runs, else the reference."""
     if not use_triton(x):
         return quantize_rows_reference(x, fp8_dtype)
-    return _quantize_rows(x, FP8_MAX[fp8_dtype], fp8_dtype == E5M2)
+    return _quantize_rows(x, fp8_dtype == E5M2)
 
 
 def quantize_cols_t(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +253,7 @@ def quantize_cols_t(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> tuple[tor
     over x's rows."""
     if not use_triton(x):
         return quantize_rows_reference(x.t(), fp8_dtype)
-    return _quantize_cols_t(x, FP8_MAX[fp8_dtype], fp8_dtype == E5M2)
+    return _quantize_cols_t(x, fp8_dtype == E5M2)
 
 
 def scaled_mm(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch.Tensor,

@@ -49,7 +49,6 @@ from kernels._common import (
 )
 from kernels.fp8 import (
     E4M3,
-    FP8_MAX,
     FP8_MODES,
     _fp8_grid,
     _pow2_scale,
@@ -139,7 +138,7 @@ def _glu_bwd_kernel(do_ptr, g_ptr, u_ptr, d_ptr, h_ptr, u_off, du_off, stride_do
 
 
 @triton.jit
-def _glu_fp8_fwd_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, ACT: tl.constexpr, FMAX: tl.constexpr,
+def _glu_fp8_fwd_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, ACT: tl.constexpr, FORMAT: tl.constexpr,
                         BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """One packed gate+up row per program: act(g) * u in fp32, its absolute maximum, and the row divided by its
     power-of-two scale (:mod:`kernels.fp8`) written in FP8. Rows wider than BLOCK are computed twice (the
@@ -151,20 +150,20 @@ def _glu_fp8_fwd_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, ACT: tl
         mask = cols < n_cols
         a, _ = _activation(tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32), ACT)
         h = a * tl.load(x_row + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        scale, inv = _pow2_scale(tl.max(tl.abs(h), axis=0), FMAX)
-        tl.store(q_row + cols, _fp8_grid(h * inv, FMAX).to(q_ptr.dtype.element_ty), mask=mask)
+        scale, inv = _pow2_scale(tl.max(tl.abs(h), axis=0), FORMAT)
+        tl.store(q_row + cols, _fp8_grid(h * inv, FORMAT).to(q_ptr.dtype.element_ty), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             a, _ = _activation(tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32), ACT)
             amax = tl.maximum(amax, tl.abs(a * tl.load(x_row + n_cols + c, mask=c < n_cols, other=0.0).to(tl.float32)))
-        scale, inv = _pow2_scale(tl.max(amax, axis=0), FMAX)
+        scale, inv = _pow2_scale(tl.max(amax, axis=0), FORMAT)
         for start in range(0, n_cols, BLOCK):
             c = start + cols
             a, _ = _activation(tl.load(x_row + c, mask=c < n_cols, other=0.0).to(tl.float32), ACT)
             h = a * tl.load(x_row + n_cols + c, mask=c < n_cols, other=0.0).to(tl.float32)
-            tl.store(q_row + c, _fp8_grid(h * inv, FMAX).to(q_ptr.dtype.element_ty), mask=c < n_cols)
+            tl.store(q_row + c, _fp8_grid(h * inv, FORMAT).to(q_ptr.dtype.element_ty), mask=c < n_cols)
     tl.store(s_ptr + row, scale)
 
 
@@ -248,7 +247,7 @@ def _glu_fwd_fp8(x: torch.Tensor, act: int) -> tuple[torch.Tensor, torch.Tensor]
     if q.numel() > 0:
         block, one, warps = quant_block(cols, glu=True)
         wrap_triton(_glu_fp8_fwd_kernel)[(rows,)](x2, q, s, x2.stride(0), q.stride(0), cols, ACT=act,
-                                                  FMAX=FP8_MAX[E4M3], BLOCK=block, ONE_BLOCK=one, num_warps=warps)
+                                                  FORMAT=1, BLOCK=block, ONE_BLOCK=one, num_warps=warps)
     return q, s
 
 

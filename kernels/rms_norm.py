@@ -66,7 +66,7 @@ from kernels._common import (
     row_warps,
     use_triton,
 )
-from kernels.fp8 import E4M3, FP8_MAX, _fp8_grid, _pow2_scale
+from kernels.fp8 import E4M3, _fp8_grid, _pow2_scale
 
 LLAMA, GEMMA = 0, 1
 _CASTINGS = {"llama": LLAMA, "gemma": GEMMA}
@@ -97,9 +97,9 @@ _BWD_PROGRAMS_PER_SM: int = _env_positive_int("LIGER_RMS_BWD_PPS", 1)
 def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, s_ptr,
                          stride_x, stride_r, stride_y, stride_h, n_rows, n_cols, eps, offset,
                          HAS_RESIDUAL: tl.constexpr, CASTING: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_MAX: tl.constexpr = 0.0):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr = 0):
     """BLOCK_M whole rows per program. With HAS_RESIDUAL, h = x + r (rounded to x's dtype) is
-    written and normalised; otherwise r_ptr / h_ptr are unused placeholders. With FP8_MAX > 0, y is
+    written and normalised; otherwise r_ptr / h_ptr are unused placeholders. With FP8 1 (e4m3), y is
     written in FP8, each row divided by its power-of-two scale (:mod:`kernels.fp8`), stored at s_ptr
     (unused otherwise)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -120,10 +120,10 @@ def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, s_ptr,
     if CASTING == 0:  # llama: round the normalised row to the input dtype before the weight
         n = n.to(x_ptr.dtype.element_ty).to(tl.float32)
     y = n * w[None, :]
-    if FP8_MAX > 0:
-        scale, inv = _pow2_scale(tl.max(tl.abs(y), axis=1), FP8_MAX)
+    if FP8 > 0:
+        scale, inv = _pow2_scale(tl.max(tl.abs(y), axis=1), FP8)
         tl.store(s_ptr + rows, scale, mask=row_mask)
-        y = _fp8_grid(y * inv[:, None], FP8_MAX)
+        y = _fp8_grid(y * inv[:, None], FP8)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -257,13 +257,13 @@ def _dw_tiling(partials: int, cols: int) -> tuple[int, int, int]:
 
 
 def _launch_fwd(x2, r2, weight, y2, h2, rstd, eps: float, offset: float, casting: int, has_residual: bool,
-                scales=None, fp8_max: float = 0.0) -> None:
+                scales=None, fp8: int = 0) -> None:
     rows, cols = x2.shape
     block_m, block_n, warps = _rows_per_block(cols)
     wrap_triton(_rms_norm_fwd_kernel)[(triton.cdiv(rows, block_m),)](
         x2, r2, weight, y2, h2, rstd, rstd if scales is None else scales, x2.stride(0), r2.stride(0), y2.stride(0),
         h2.stride(0), rows, cols, eps, offset, HAS_RESIDUAL=has_residual, CASTING=casting, BLOCK_M=block_m,
-        BLOCK_N=block_n, FP8_MAX=fp8_max, num_warps=warps)
+        BLOCK_N=block_n, FP8=fp8, num_warps=warps)
 
 
 # ------------------------------------------------------------------------------------ custom ops
@@ -310,7 +310,7 @@ def _launch_fwd_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     if y.numel() > 0:
         r2, h2 = (x2, x2) if residual is None else (as_rows(residual), h.view(rows, cols))
         _launch_fwd(x2, r2, weight.contiguous(), y, h2, rstd, eps, offset, casting, residual is not None, scales,
-                    FP8_MAX[E4M3])
+                    1)
     return y, scales, rstd
 
 
