@@ -207,7 +207,8 @@ def kernels_breakdown(args) -> dict:
 def logits_distance(args) -> dict:
     """How far FP8 projections move a trained model's output: the curve's bf16 run's final checkpoint
     (``--logits-model``, default ``OUT/curve/bf16/final``) in bf16 on held-out text of the demo's corpus (a seed
-    the training data did not use), logits with ``use_fp8(mode)`` against the same model without, as
+    the training data did not use; its records joined into one stream under one BOS, with no EOS between them,
+    unlike the training rows), logits with ``use_fp8(mode)`` against the same model without, as
     ||fp8 - bf16|| / ||bf16||, and the next-token loss of each."""
     import torch
 
@@ -217,11 +218,9 @@ def logits_distance(args) -> dict:
     src = args.logits_model or os.path.join(args.out, "curve", "bf16", "final")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoLigerModel.from_hf(src, dtype=torch.bfloat16, device=device).eval()
-    tok = build_tokenizer()  # each record as training tokenises it: BOS, its characters, EOS
-    eos = tok.token_to_id("</s>")
-    stream = [i for r in corpus(2000, 12345) for i in tok.encode(r.get("text") or r["prompt"] + r["completion"]).ids
-              + [eos]]
-    ids = torch.tensor(stream[:8 * 512], device=device).view(8, 512)
+    tok = build_tokenizer()
+    text = "".join(r.get("text") or r["prompt"] + r["completion"] for r in corpus(2000, 12345))
+    ids = torch.tensor(tok.encode(text).ids[:8 * 512], device=device).view(8, 512)
     rows = []
     with torch.no_grad():
         ref = model(ids).float()
