@@ -827,9 +827,11 @@ def merge_lora_results(old: dict, rows: list[dict], fits: list[dict], settings: 
 
 
 def write_lora(args, env: dict, rows: list[dict], fits: list[dict], low: int, high: int) -> dict:
-    """Merge into ``results/lora-<gpu>-<date><tag>.json`` (:func:`merge_lora_results`); its checks."""
+    """Merge into ``results/lora-<gpu>-<date><tag>.json`` (:func:`merge_lora_results`), or ``fp8-lora-...`` when the
+    run compares ``ligermodels-lora-fp8`` (docs/fp8.md shows it; the LoRA tables keep their bf16 comparisons);
+    its checks."""
     gpu = (env.get("gpu") or "cpu").replace(" ", "_")
-    name = f"lora-{gpu}-{env['date']}{args.tag}"
+    name = f"{'fp8-' if 'ligermodels-lora-fp8' in args.impls else ''}lora-{gpu}-{env['date']}{args.tag}"
     path = os.path.join(args.results, name + ".json")
     old = {}
     if os.path.isfile(path):

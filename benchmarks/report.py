@@ -879,8 +879,8 @@ def _fp8_kernels(d: dict) -> list[str]:
 
 def _fp8_logits(d: dict) -> list[str]:
     lg = d["logits"]
-    lines = [f"**Distance from bf16** ({_short_gpu(d['gpu'])}, {lg['shape']}, {lg['tokens']} random tokens): the same "
-             "weights with and without FP8 projections.", "",
+    lines = [f"**Distance from bf16** ({_short_gpu(d['gpu'])}, {lg['shape']}, {lg['tokens']} tokens of held-out "
+             "text): the same weights with and without FP8 projections.", "",
              "| mode | logits, relative distance | next-token loss (bf16: same tokens) |", "|---|---|---|"]
     for r in lg["rows"]:
         lines.append(f"| {_FP8_MODES[r['mode']]} | {r['logits_rel']:.4f} | {r['loss']:.4f} ({r['loss_bf16']:.4f}) |")
@@ -897,6 +897,9 @@ def fp8() -> str:
                         ("kernels", _fp8_kernels)):
         for d in sorted((d for d in files if part in d), key=lambda d: d["_file"]):
             lines += table(d)
+    for d in (d for d in files if os.path.basename(d["_file"]).startswith("fp8-lora-")):
+        lines += ["**LoRA with the frozen base in FP8** (`python -m benchmarks.bench_train --lora` with "
+                  "`ligermodels-lora-fp8`):", "", lora_table([d]).split("\n\nSources:")[0], ""]
     return "\n".join(lines + _sources(files)[1:])
 
 

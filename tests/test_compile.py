@@ -73,7 +73,10 @@ def test_op_compiles_without_graph_break_and_matches_eager(name):
         assert rel_err(a, b) <= 1e-2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora", "qwen3", "qwen3_moe", "llama+fp8"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora", "qwen3", "qwen3_moe", pytest.param(
+    "llama+fp8", marks=pytest.mark.xfail(strict=True, reason="the FP8 norm kernel fails to compile under Inductor "
+                                                            "(torch 2.11, H100): ligermodels.train refuses "
+                                                            "--fp8 with --compile"))])
 def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_type):
     """The decoder's loss (attention with its SDPA backend choice, every custom op, the loss head) in one graph;
     "+lora": adapters on all seven projections (inside the fused norm/GLU/linear Functions), their gradients;

@@ -344,6 +344,7 @@ def test_lora_on_one_rank_in_bf16_allocates_the_frozen_base_in_bf16(checkpoint, 
     (["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--merge"], "--merge folds LoRA adapters into the base: it needs --lora-rank"),
     (["--fp8", "e4m3"], "--fp8: invalid choice"),
+    (["--fp8", "rowwise", "--compile"], "--fp8 with --compile"),
 ])
 def test_bad_lora_flags_are_refused_by_name(capsys, flags, message):
     with pytest.raises(SystemExit):

@@ -218,6 +218,9 @@ class TrainConfig:
             raise TrainError("--cuda-graph replays a CUDA graph: it needs --device cuda")
         if self.graph_documents < 1:
             raise TrainError(f"--graph-documents must be at least 1, got {self.graph_documents}")
+        if self.fp8 != "none" and self.compile:
+            raise TrainError("--fp8 with --compile: the FP8 kernels do not compile under torch.compile's Inductor "
+                             "yet; drop --compile (the FP8 step runs eagerly)")
         if self.fp8 != "none" and self.device == "cuda" and (why := fp8_supported(torch.device("cuda"))):
             raise TrainError(f"--fp8: {why}")
         if self.merge and not self.lora_rank:
