@@ -97,7 +97,7 @@ _BWD_PROGRAMS_PER_SM: int = _env_positive_int("LIGER_RMS_BWD_PPS", 1)
 def _rms_norm_fwd_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, s_ptr,
                          stride_x, stride_r, stride_y, stride_h, n_rows, n_cols, eps, offset,
                          HAS_RESIDUAL: tl.constexpr, CASTING: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr = 0):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
     """BLOCK_M whole rows per program. With HAS_RESIDUAL, h = x + r (rounded to x's dtype) is
     written and normalised; otherwise r_ptr / h_ptr are unused placeholders. With FP8 1 (e4m3), y is
     written in FP8, each row divided by its power-of-two scale (:mod:`kernels.fp8`), stored at s_ptr
