@@ -25,9 +25,9 @@ from torch import nn
 from kernels import (
     apply_qk_norm_rope_qkv_,
     apply_rope_qkv_,
+    fp8_linear,
     fused_add_rms_norm,
     glu_linear,
-    lora_linear,
     moe_mlp,
     rms_norm,
     rms_norm_linear,
@@ -52,8 +52,12 @@ def fp8_of(linear: nn.Module) -> str | None:
 
 
 def project(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` with its adapters and its FP8 mode (:func:`kernels.lora_linear`)."""
-    return lora_linear(x, linear.weight, linear.bias, low_rank_of(linear), fp8_of(linear))
+    """``linear(x)`` (its hooks run), or :func:`kernels.fp8_linear` for a plain projection with an FP8 mode (a LoRA
+    projection applies its own, ``LoRALinear.forward``)."""
+    mode = fp8_of(linear)
+    if mode is None or hasattr(linear, "low_rank"):
+        return linear(x)
+    return fp8_linear(x, linear.weight, linear.bias, mode)
 
 
 class RMSNorm(nn.Module):

@@ -242,3 +242,31 @@ def test_adapters_on_a_frozen_fp8_base_match_the_float64_quantised_math(op):
     want = torch.autograd.grad(out_r, [xr, *lr64_params], dout.double().cpu())
     for name, a, b in zip(("x", "A", "B"), got, want, strict=True):
         assert rel_err(a, b) <= BOUND, name
+
+
+def test_use_fp8_switches_every_dense_projection_and_back_and_keeps_lora_adapters_training():
+    """CausalLM.use_fp8: the logits move by FP8's rounding (a few percent, not zero), use_fp8(None) gives the bf16
+    path's logits back exactly, an unknown mode is refused by name, and under LoRA the adapters still get
+    gradients while the frozen base's GEMMs run in FP8."""
+    from ligermodels.families import config_from_hf, family_of
+    from ligermodels.lora import add_lora
+
+    torch.manual_seed(0)
+    hf = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+    model = family_of("llama").cls(config_from_hf(hf)).init_weights().to(DEVICE)
+    ids = torch.randint(0, 64, (2, 16), device=DEVICE)
+    with torch.no_grad():
+        plain = model(ids)
+        fp8 = model.use_fp8("rowwise")(ids)
+        again = model.use_fp8(None)(ids)
+    assert torch.equal(again, plain) and 1e-4 < rel_err(fp8, plain) < 0.1
+    with pytest.raises(ValueError, match="use_fp8: mode must be None or one of"):
+        model.use_fp8("e4m3")
+    add_lora(model, r=4, alpha=8, targets=["q", "k", "v", "o", "gate", "up", "down"])
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    model.use_fp8("rowwise").loss(ids, ids).backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
