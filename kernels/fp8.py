@@ -21,8 +21,8 @@ every step): W (2 bytes read, 1 written per element) for the forward, and its tr
 through a bf16 transposed copy.
 
 ``torch._scaled_mm`` needs K and N multiples of 16 (CUDA); other shapes, and the CPU without the interpreter,
-multiply the dequantised operands in fp32: the same products, summed in another order. :func:`fp8_linear_reference`
-is the float64 oracle of the quantised math.
+multiply the dequantised operands in fp32: the same products, summed in another order. The float64 oracle of the
+quantised math is ``tests/test_fp8.py``'s, on :func:`quantize_rows_reference`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
@@ -52,6 +51,15 @@ class FP8Recipe(NamedTuple):
 #: gradients (``rowwise-e5m2``), or the weight gradient in bf16 (``rowwise-gw-bf16``).
 FP8_MODES = {"rowwise": FP8Recipe(E4M3, True), "rowwise-e5m2": FP8Recipe(E5M2, True),
              "rowwise-gw-bf16": FP8Recipe(E4M3, False)}
+
+
+def fp8_recipe(mode: str | None, what: str, param: str = "fp8") -> FP8Recipe | None:
+    """The :class:`FP8Recipe` of ``mode`` (None for None); an unknown mode raises ValueError naming ``what``."""
+    if mode is not None and mode not in FP8_MODES:
+        raise ValueError(f"{what}: {param} must be None or one of {sorted(FP8_MODES)}, got {mode!r}")
+    return None if mode is None else FP8_MODES[mode]
+
+
 _SMALLEST_NORMAL = 1.1754943508222875e-38
 #: Row quantisation: rows of up to _BLOCK elements in one block (a warp per 1024), wider rows in two passes over
 #: _WIDE_BLOCK-element blocks with _WIDE_WARPS warps. Measured on an H200 (kernel time, bf16): 4096-wide rows at
@@ -173,14 +181,19 @@ def quant_block(cols: int, glu: bool = False) -> tuple[int, bool, int]:
 
 
 # ------------------------------------------------------------------------------------ custom ops
+def _quantized_empty(rows: int, cols: int, e5m2: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (q (rows, cols) e4m3 or e5m2, scales (rows, 1) fp32)."""
+    return (torch.empty((rows, cols), dtype=E5M2 if e5m2 else E4M3, device=device),
+            torch.empty((rows, 1), dtype=torch.float32, device=device))
+
+
 @eager_op
 @triton_op(f"{LIB}::fp8_quantize_rows", mutates_args={})
 def _quantize_rows(x: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (M, K) fp8, scales (M, 1) fp32) of rows x (M, K)."""
     x2 = as_rows(x)
     rows, cols = x2.shape
-    q = torch.empty((rows, cols), dtype=E5M2 if e5m2 else E4M3, device=x.device)
-    s = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    q, s = _quantized_empty(rows, cols, e5m2, x.device)
     if q.numel() > 0:
         block, one, warps = quant_block(cols)
         wrap_triton(_quant_rows_kernel)[(rows,)](x2, q, s, x2.stride(0), q.stride(0), cols, FORMAT=2 if e5m2 else 1,
@@ -194,8 +207,7 @@ def _quantize_cols_t(x: torch.Tensor, e5m2: bool) -> tuple[torch.Tensor, torch.T
     """(q (C, R) fp8, scales (C, 1) fp32): the columns of x (R, C) quantised, written as rows (x transposed)."""
     x2 = as_rows(x)
     rows, cols = x2.shape
-    q = torch.empty((cols, rows), dtype=E5M2 if e5m2 else E4M3, device=x.device)
-    s = torch.empty((cols, 1), dtype=torch.float32, device=x.device)
+    q, s = _quantized_empty(cols, rows, e5m2, x.device)
     amax = torch.zeros(cols, dtype=torch.float32, device=x.device)
     if q.numel() > 0:
         (ar, ac, aw), (qr, qc, qw) = _COLS_AMAX_TILE, _COLS_QUANT_TILE
@@ -227,16 +239,6 @@ def quantize_rows_reference(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> t
 def dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q * s in ``dtype`` (exact in fp32 and float64: fp8 values times powers of two)."""
     return q.to(dtype) * s.to(dtype)
-
-
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                         ) -> torch.Tensor:
-    """The forward product of :func:`fp8_linear` in x's compute dtype: ``dequant(q(x)) @ dequant(q(W)).T + b``."""
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xq, xs = quantize_rows_reference(x)
-    wq, ws = quantize_rows_reference(weight)
-    out = F.linear(dequantize(xq, xs, cd), dequantize(wq, ws, cd), None if bias is None else bias.to(cd))
-    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 # ------------------------------------------------------------------------------------------ GEMMs
@@ -292,10 +294,18 @@ def fp8_weight_grad(dout: torch.Tensor, x: torch.Tensor, grad_dtype: torch.dtype
 
 
 # ------------------------------------------------------------------------------------- autograd
-def weight_grad(dout: torch.Tensor, x: torch.Tensor, recipe: FP8Recipe) -> torch.Tensor:
-    """``dout.T @ x`` (N, K) for rows dout (M, N) and x (M, K): :func:`fp8_weight_grad` or a bf16 GEMM, as the
-    recipe says."""
-    return fp8_weight_grad(dout, x, recipe.grad_dtype) if recipe.weight_grad else dout.t().mm(x)
+def input_grad(dout: torch.Tensor, weight: torch.Tensor, recipe: FP8Recipe | None) -> torch.Tensor:
+    """``dout @ W`` (M, K) for rows dout (M, N): :func:`fp8_input_grad` under a recipe, else a GEMM in dout's
+    dtype."""
+    return dout @ weight if recipe is None else fp8_input_grad(dout, weight, recipe.grad_dtype)
+
+
+def weight_grad(dout: torch.Tensor, x: torch.Tensor, recipe: FP8Recipe | None) -> torch.Tensor:
+    """``dout.T @ x`` (N, K) for rows dout (M, N) and x (M, K): :func:`fp8_weight_grad` when the recipe puts the
+    weight gradient in FP8, else a GEMM in dout's dtype (no recipe, or ``rowwise-gw-bf16``)."""
+    if recipe is not None and recipe.weight_grad:
+        return fp8_weight_grad(dout, x, recipe.grad_dtype)
+    return dout.t().mm(x)
 
 
 class FP8LinearFunction(torch.autograd.Function):
@@ -315,7 +325,7 @@ class FP8LinearFunction(torch.autograd.Function):
     def backward(ctx, dout):
         x, weight = ctx.saved_tensors
         d2 = as_rows(dout)
-        dx = fp8_input_grad(d2, weight, ctx.recipe.grad_dtype).view(x.shape) if ctx.needs_input_grad[0] else None
+        dx = input_grad(d2, weight, ctx.recipe).view(x.shape) if ctx.needs_input_grad[0] else None
         dw = weight_grad(d2, as_rows(x), ctx.recipe) if ctx.needs_input_grad[1] else None
         db = d2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None

@@ -49,11 +49,11 @@ from kernels._common import (
 )
 from kernels.fp8 import (
     E4M3,
-    FP8_MODES,
     _fp8_grid,
     _pow2_scale,
     fp8_forward,
-    fp8_input_grad,
+    fp8_recipe,
+    input_grad,
     quant_block,
     weight_grad,
 )
@@ -326,7 +326,7 @@ class GLULinearFunction(torch.autograd.Function):
         elif lora_a is None:
             h = _glu_fwd(x, None, act)
             out = F.linear(h, weight, bias)
-        else:
+        else:  # the adapters read h in x's dtype; under FP8 the base GEMM quantises it (low_rank_linear)
             h = _glu_fwd(x, None, act)
             h2 = h.view(-1, h.shape[-1])
             mask = dropout_mask(h2, lora_dropout)
@@ -349,10 +349,8 @@ class GLULinearFunction(torch.autograd.Function):
         needs_la, needs_lb = ctx.needs_input_grad[5:7]
         d2 = dout.reshape(-1, dout.shape[-1])
         dla = dlb = None
-        if ctx.fp8 is not None and lora_a is None:
-            dh = fp8_input_grad(d2, weight, ctx.fp8.grad_dtype)
-        elif lora_a is None:
-            dh = d2 @ weight  # (M, I)
+        if lora_a is None:
+            dh = input_grad(d2, weight, ctx.fp8)  # (M, I)
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
             dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
@@ -365,7 +363,7 @@ class GLULinearFunction(torch.autograd.Function):
         dw = None
         if needs_h:
             h2 = h.view(n_rows(h), h.shape[-1])
-            dw = None if not needs_w else weight_grad(d2, h2, ctx.fp8) if ctx.fp8 is not None else d2.t() @ h2
+            dw = weight_grad(d2, h2, ctx.fp8) if needs_w else None
             dla = low_rank_grad_a(dz, h2, lr, mask) if lora_a is not None and needs_la else None
         db = d2.sum(0) if ctx.has_bias and needs_b else None
         return dx.view(x.shape), dw, db, None, None, dla, dlb, None, None, None, None
@@ -440,8 +438,7 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"glu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "glu_linear")
-    if fp8 is not None and fp8 not in FP8_MODES:
-        raise ValueError(f"glu_linear: fp8 must be None or one of {sorted(FP8_MODES)}, got {fp8!r}")
+    recipe = fp8_recipe(fp8, "glu_linear")
     if fp8 is not None and not use_triton(x):  # the activation materialised, then the same quantised GEMMs
         return lora_linear(glu_reference(x, None, act), weight, bias, low_rank, fp8)
     if not use_triton(x):
@@ -451,7 +448,7 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
         low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
     return GLULinearFunction.apply(x, weight, bias, act, bool(keep_activation), *lr,
-                                   None if fp8 is None else FP8_MODES[fp8])
+                                   recipe)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import FP8_MODES, FP8Recipe, fp8_forward, fp8_input_grad, fp8_linear, quantize_rows, weight_grad
+from kernels.fp8 import FP8Recipe, fp8_forward, fp8_input_grad, fp8_linear, fp8_recipe, quantize_rows, weight_grad
 
 
 class LowRank(NamedTuple):
@@ -122,7 +122,7 @@ def low_rank_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     bb = block_b(lr, weight.shape[0], cd)
     out = torch.addmm(bias.to(cd), z, bb) if bias is not None else z @ bb
     if fp8 is not None:
-        return out.add_(fp8_forward(*quantize_rows(x2), weight, None, x2.dtype)).to(x2.dtype), z, bb
+        return out.add_(fp8_forward(*quantize_rows(x2), weight, None, x2.dtype)), z, bb
     return out.addmm_(x2, weight.t()), z, bb
 
 
@@ -150,7 +150,7 @@ def low_rank_input_grad(d2: torch.Tensor, weight: torch.Tensor, dz: torch.Tensor
     if mask is not None:
         part.masked_fill_(~mask.view(part.shape), 0.0).mul_(1.0 / (1.0 - lr.dropout))
     if fp8 is not None:
-        return part.add_(fp8_input_grad(d2, weight, fp8.grad_dtype)).to(d2.dtype)
+        return part.add_(fp8_input_grad(d2, weight, fp8.grad_dtype))
     return part.addmm_(d2, weight)
 
 
@@ -212,7 +212,7 @@ class LoRALinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         dz, db = low_rank_backward(d2, lr, z, bb, needs_b)
         dx = low_rank_input_grad(d2, weight, dz, lr, mask, ctx.fp8).view(x.shape) if needs_x else None
-        dw = None if not needs_w else weight_grad(d2, x2, ctx.fp8) if ctx.fp8 is not None else d2.t() @ x2
+        dw = weight_grad(d2, x2, ctx.fp8) if needs_w else None
         dbias = d2.sum(0) if needs_bias else None
         da = low_rank_grad_a(dz, x2, lr, mask) if needs_a else None
         return dx, dw, dbias, da, db, None, None, None, None
@@ -229,11 +229,10 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     Returns:
         (..., N) in x's dtype.
     """
-    if fp8 is not None and fp8 not in FP8_MODES:
-        raise ValueError(f"lora_linear: fp8 must be None or one of {sorted(FP8_MODES)}, got {fp8!r}")
+    recipe = fp8_recipe(fp8, "lora_linear")
     if low_rank is None:
         return F.linear(x, weight, bias) if fp8 is None else fp8_linear(x, weight, bias, fp8)
     check_low_rank(low_rank, weight.shape[1], weight.shape[0], "lora_linear")
     lr = low_rank
     return LoRALinearFunction.apply(x, weight, bias, lr.a, lr.b, tuple(lr.slices), float(lr.scale),
-                                    float(lr.dropout), None if fp8 is None else FP8_MODES[fp8])
+                                    float(lr.dropout), recipe)

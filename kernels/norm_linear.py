@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._common import use_triton
-from kernels.fp8 import FP8_MODES, fp8_forward, fp8_input_grad, weight_grad
+from kernels.fp8 import fp8_forward, fp8_recipe, input_grad, weight_grad
 from kernels.low_rank import (
     LowRank,
     check_low_rank,
@@ -126,10 +126,8 @@ class RMSNormLinearFunction(torch.autograd.Function):
             return (dh, dh) + (None,) * 13
         d2 = dout.reshape(-1, dout.shape[-1])
         dw = dla = dlb = None
-        if ctx.fp8 is not None and lora_a is None:
-            dy = fp8_input_grad(d2, weight, ctx.fp8.grad_dtype).view(*dout.shape[:-1], weight.shape[1])
-        elif lora_a is None:
-            dy = dout.matmul(weight)
+        if lora_a is None:
+            dy = input_grad(d2, weight, ctx.fp8).view(*dout.shape[:-1], weight.shape[1])
         else:
             lr = LowRank(lora_a, lora_b, *ctx.low_rank)
             dz, dlb = low_rank_backward(d2, lr, z, bb, needs_lb)
@@ -138,7 +136,7 @@ class RMSNormLinearFunction(torch.autograd.Function):
             # the norm output: kept from forward, or written again
             y = kept if kept is not None else _rms_norm_fwd(h, norm_weight, eps, offset, casting)[0]
             y2 = y.reshape(-1, y.shape[-1])
-            dw = None if not needs_w else weight_grad(d2, y2, ctx.fp8) if ctx.fp8 is not None else d2.t().mm(y2)
+            dw = weight_grad(d2, y2, ctx.fp8) if needs_w else None
             dla = low_rank_grad_a(dz, y2, lr, mask) if lora_a is not None and needs_la else None
             del y, y2
         db = d2.sum(0) if needs_b else None
@@ -197,8 +195,7 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
         raise ValueError(f"rms_norm_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
     if low_rank is not None:
         check_low_rank(low_rank, weight.shape[1], weight.shape[0], "rms_norm_linear")
-    if fp8 is not None and fp8 not in FP8_MODES:
-        raise ValueError(f"rms_norm_linear: fp8 must be None or one of {sorted(FP8_MODES)}, got {fp8!r}")
+    recipe = fp8_recipe(fp8, "rms_norm_linear")
     if fp8 is not None and not use_triton(x):  # the norm output materialised, then the same quantised GEMMs
         if residual is None:
             return lora_linear(rms_norm_reference(x, norm_weight, eps, offset, casting), weight, bias, low_rank,
@@ -210,4 +207,4 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Te
     lr = (None, None, None, 1.0, 0.0) if low_rank is None else (
         low_rank.a, low_rank.b, tuple(low_rank.slices), float(low_rank.scale), float(low_rank.dropout))
     return RMSNormLinearFunction.apply(x, residual, norm_weight, weight, bias, float(eps), float(offset), code,
-                                       bool(keep_output), *lr, None if fp8 is None else FP8_MODES[fp8])
+                                       bool(keep_output), *lr, recipe)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_linear_cross_entropy, fused_linear_logprobs, load_balancing_loss
-from kernels.fp8 import FP8_MODES
+from kernels.fp8 import fp8_recipe
 from ligermodels.attention import AttentionMask, Documents, document_ids_from_positions
 from ligermodels.blocks import DecoderLayer, MoE, RMSNorm, RotaryEmbedding, init_linear_
 from ligermodels.config import DecoderConfig
@@ -93,8 +93,7 @@ class CausalLM(nn.Module):
         head and mixture-of-experts layers' experts and router stay in the compute dtype. Under LoRA adapters the
         frozen base's GEMMs run in FP8 and the adapters' in the compute dtype; call it after ``add_lora`` or
         before (the adapted projections keep the mode). Returns the model."""
-        if mode is not None and mode not in FP8_MODES:
-            raise ValueError(f"use_fp8: mode must be None or one of {sorted(FP8_MODES)}, got {mode!r}")
+        fp8_recipe(mode, "use_fp8", "mode")
         for layer in self.layers:
             linears = [layer.attn.qkv, layer.attn.o] + ([] if isinstance(layer.mlp, MoE) else
                                                          [layer.mlp.gate_up, layer.mlp.down])

@@ -256,6 +256,7 @@ def test_use_fp8_switches_every_dense_projection_and_back_and_keeps_lora_adapter
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
     model = family_of("llama").cls(config_from_hf(hf)).init_weights().to(DEVICE)
     ids = torch.randint(0, 64, (2, 16), device=DEVICE)
+    assert_triton_runs(ids)
     with torch.no_grad():
         plain = model(ids)
         fp8 = model.use_fp8("rowwise")(ids)
