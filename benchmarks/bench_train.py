@@ -112,13 +112,17 @@ FULL_IMPLS = ("ligermodels", "ligermodels-causal", "ligermodels-tokens", "ligerm
               "hf", "hf+liger", "hf+compile", "bare")
 #: The LoRA runs: ``--lora`` runs the first three; ``hf+peft`` (the Trainer alone) only when named in --impls.
 LORA_IMPLS = ("ligermodels-lora", "hf+peft+liger", "hf+peft+compile", "hf+peft", "ligermodels-lora-graph",
-              "ligermodels-lora-fp8")
+              "ligermodels-lora-fp8", "ligermodels-qlora", "ligermodels-qlora-graph", "hf+peft+bnb+liger",
+              "hf+peft+bnb+compile", "hf+peft+bnb")
 IMPLS = FULL_IMPLS + LORA_IMPLS
 #: What runs without ``--impls``: the loss-head variants only when asked for.
 DEFAULT_FULL_IMPLS = tuple(i for i in FULL_IMPLS
                            if i not in ("ligermodels-tokens", "ligermodels-vocab", "ligermodels-graph"))
 HF_IMPLS = ("hf", "hf+liger", "hf+compile")
-HF_LORA_IMPLS = ("hf+peft+liger", "hf+peft+compile", "hf+peft")
+HF_LORA_IMPLS = ("hf+peft+liger", "hf+peft+compile", "hf+peft", "hf+peft+bnb+liger", "hf+peft+bnb+compile",
+                 "hf+peft+bnb")
+#: QLoRA's rivals: the Trainer + PEFT on transformers' bitsandbytes 4-bit base.
+HF_QLORA_IMPLS = ("hf+peft+bnb+liger", "hf+peft+bnb+compile", "hf+peft+bnb")
 SEED = 0
 LR = 1e-5
 #: The LoRA runs' adapters (rank 16 on all seven projections) and learning rate (constant).
@@ -202,7 +206,7 @@ def ensure_base(work: str, model: str, timeout: int) -> str:
 def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: str, profile: bool = False) -> list[str]:
     """The ``python -m ligermodels.train`` command of a ligermodels impl: ``model_dir`` from scratch, or for
     ``ligermodels-lora`` the base checkpoint ``model_dir`` loaded, with the LoRA flags (:data:`LORA`)."""
-    lora = impl.startswith("ligermodels-lora")
+    lora = impl.startswith(("ligermodels-lora", "ligermodels-qlora"))
     cmd = [sys.executable, "-m", "ligermodels.train", "--model", model_dir, *([] if lora else ["--from-scratch"]),
            "--data", data, "--out", out, "--overwrite", "--seq-len", str(args.seq), "--batch-size", str(batch),
            "--steps", str(args.steps), "--save-every", "0", "--log-every", "10", "--lr", str(LORA_LR if lora else LR),
@@ -210,7 +214,8 @@ def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: s
            "--attention", "causal" if impl == "ligermodels-causal" else "documents",
            *(["--loss-strategy", impl.split("-")[1]] if impl in ("ligermodels-tokens", "ligermodels-vocab") else []),
            *(["--cuda-graph"] if impl.endswith("-graph") else []),
-           *(["--fp8", "rowwise"] if impl.endswith("-fp8") else [])]
+           *(["--fp8", "rowwise"] if impl.endswith("-fp8") else []),
+           *(["--quantize", "nf4"] if impl.startswith("ligermodels-qlora") else [])]
     if lora:
         cmd += ["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
                 str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])]
@@ -270,22 +275,29 @@ def make_trainer(model, args, impl: str, batch: int, steps: int, rows, callbacks
         optim="adamw_torch_fused", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=SEED,
         data_seed=SEED, dataloader_num_workers=2, dataloader_pin_memory=True, remove_unused_columns=False,
         use_liger_kernel=impl.endswith("+liger"), torch_compile=impl.endswith("+compile"),
-        gradient_checkpointing=args.ac != "none", use_cpu=not torch.cuda.is_available())  # the CPU: tests only
+        gradient_checkpointing=args.ac != "none", gradient_checkpointing_kwargs={"use_reentrant": False},
+        use_cpu=not torch.cuda.is_available())  # the CPU: tests only
     return InOrder(model=model, args=targs, train_dataset=Rows(), callbacks=list(callbacks))
 
 
-def peft_model(base: str, device: str, dtype=None):
+def peft_model(base: str, device: str, dtype=None, four_bit: bool = False):
     """``peft.get_peft_model`` on the base checkpoint loaded by transformers (bf16 unless ``dtype``) onto
     ``device``: :data:`LORA`'s adapters on ``q_proj`` ... ``down_proj``, drawn after ``torch.manual_seed(SEED)``;
-    PEFT keeps them fp32 (``autocast_adapter_dtype``)."""
+    PEFT keeps them fp32 (``autocast_adapter_dtype``). ``four_bit``: QLoRA's base, transformers' bitsandbytes
+    ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+    bnb_4bit_compute_dtype=bf16)`` (the projections in NF4; embeddings, norms and head bf16, as ours), without
+    ``prepare_model_for_kbit_training`` (which would cast the norms, embeddings and head to fp32)."""
     import peft
     import torch
     import transformers
 
     model_type = transformers.AutoConfig.from_pretrained(base).model_type
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True,
+                                            bnb_4bit_compute_dtype=dtype or torch.bfloat16) if four_bit else None
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=dtype or torch.bfloat16,
                                                               attn_implementation=hf_attention(model_type),
-                                                              device_map=device)
+                                                              device_map=device, quantization_config=quant)
     model.config.use_cache = False
     torch.manual_seed(SEED)
     config = peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
@@ -312,7 +324,7 @@ def hf_worker(args) -> dict:
                 losses.append(float(logs["loss"]))
 
     if args.worker in HF_LORA_IMPLS:
-        model = peft_model(args.model_dir, "cuda")
+        model = peft_model(args.model_dir, "cuda", four_bit=args.worker in HF_QLORA_IMPLS)
     else:
         config = transformers.AutoConfig.for_model(**{**MODELS[args.model], "bos_token_id": 2, "eos_token_id": 3})
         torch.manual_seed(SEED)
@@ -449,14 +461,14 @@ class LigermodelsTries:
     fresh adapter moments) and runs :data:`MAX_BATCH_STEPS` :func:`train_step` s.
     ``close()`` leaves the process group."""
 
-    def __init__(self, args, base: str, data: str):
+    def __init__(self, args, base: str, data: str, impl: str = "ligermodels-lora"):
         import torch
 
         from ligermodels.train import parse_args
         from ligermodels.train.data import PackedRows, load_inputs
         from ligermodels.train.parallelize import build_model, setup_distributed
 
-        targs = parse_args(train_command(args, "ligermodels-lora", base, data, 1,
+        targs = parse_args(train_command(args, impl, base, data, 1,
                                          os.path.join(args.out, "max-batch"))[3:])
         self.rank, self.world, self.device = setup_distributed(targs.device)
         inputs = load_inputs(targs)
@@ -494,7 +506,7 @@ def hf_tries(args, impl: str, device: str = "cuda") -> Callable[[int], None]:
     (:func:`make_trainer`)."""
     import torch
 
-    model = peft_model(args.model_dir, device)
+    model = peft_model(args.model_dir, device, four_bit=impl in HF_QLORA_IMPLS)
     rows = packed_rows(args.model_dir, args.data, args.seq)
 
     def run(batch: int) -> None:
@@ -516,7 +528,8 @@ def max_batch_worker(args) -> dict:
     process; ``{"max_batch", "first_oom_batch", "tries"}`` (each try with its peak memory in GB)."""
     import torch
 
-    tries = LigermodelsTries(args, args.model_dir, args.data) if args.worker == "ligermodels-lora" else None
+    tries = (LigermodelsTries(args, args.model_dir, args.data, args.worker)
+             if args.worker in ("ligermodels-lora", "ligermodels-qlora") else None)
     run = tries if tries is not None else hf_tries(args, args.worker, "cuda" if torch.cuda.is_available() else "cpu")
     peaks = []
 
@@ -590,6 +603,9 @@ def goals_of(models) -> dict:
 
 #: The LoRA targets: ligermodels-lora against the faster Trainer + PEFT, and Trainer + PEFT + Liger's memory.
 LORA_TARGETS = {"speed_vs_fastest_peft": 1.3, "memory_vs_peft_liger": 0.7}
+#: The QLoRA targets: ligermodels-qlora against the fastest Trainer + PEFT + bitsandbytes and the lowest peak memory
+#: of those; Llama-3.1-8B at micro-batch 1 in at most 10 GB (bench_train's rows at batch 1 show it).
+QLORA_TARGETS = {"speed_vs_fastest_peft_bnb": 1.5, "memory_vs_peft_bnb": 0.7}
 
 
 def _speed_memory(by: dict, ours: dict, speed_key: str, rivals: tuple[str, ...], memory_key: str, liger: str,
@@ -638,6 +654,15 @@ def lora_targets(rows: list[dict]) -> dict:
         fp8 = _speed_memory(by, by["ligermodels-lora-fp8"], "speed_vs_fastest_peft", HF_LORA_IMPLS[:2],
                             "memory_vs_peft_liger", "hf+peft+liger", LORA_TARGETS)
         out.update({f"fp8_{k}": v for k, v in fp8.items()})
+    qlora = [by[i] for i in ("ligermodels-qlora", "ligermodels-qlora-graph") if i in by]
+    if qlora:  # the 4-bit base (the faster of eager and CUDA-graph steps) against Trainer + PEFT + bitsandbytes
+        rivals = [i for i in HF_QLORA_IMPLS if i in by]
+        leanest = min(rivals, key=lambda i: by[i]["peak_mem_gb"]) if rivals else None
+        ours = max(qlora, key=lambda r: r["tokens_per_s"])
+        out.update(_speed_memory(by, ours, "speed_vs_fastest_peft_bnb", HF_QLORA_IMPLS, "memory_vs_peft_bnb",
+                                 leanest, QLORA_TARGETS))
+        if "speed_vs_fastest_peft_bnb" in out:
+            out["speed_vs_fastest_peft_bnb"]["ours"] = ours["impl"]
     return out
 
 
@@ -684,8 +709,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--lora runs the LoRA impls ({' '.join(LORA_IMPLS)}), got {' '.join(full)}")
     if args.max_batch and full:
         ap.error(f"--max-batch is for the LoRA impls ({' '.join(LORA_IMPLS)}), got {' '.join(full)}")
-    if args.max_batch and "ligermodels-lora-graph" in args.impls:
-        ap.error("--max-batch tries the trainer's step in-process, eagerly: leave out ligermodels-lora-graph")
+    if args.max_batch and any(i.endswith("-graph") for i in args.impls):
+        ap.error("--max-batch tries the trainer's step in-process, eagerly: leave out the -graph impls")
     args.lora = bool(lora)
     runs = []
     for run in args.runs:
@@ -822,16 +847,19 @@ def merge_lora_results(old: dict, rows: list[dict], fits: list[dict], settings: 
         out["max_batch"] = [f for f in old.get("max_batch", []) if key(f) not in {key(n) for n in fits}] + fits
     out.setdefault("rows", [])
     out["benchmark"] = "LoRA training loops users run: ligermodels.train --lora-rank vs transformers.Trainer + PEFT"
-    out["targets"] = LORA_TARGETS
+    qlora = any(r["impl"].startswith("ligermodels-qlora") or r["impl"] in HF_QLORA_IMPLS for r in out["rows"])
+    out["targets"] = {**LORA_TARGETS, **(QLORA_TARGETS if qlora else {})}
     return out
 
 
 def write_lora(args, env: dict, rows: list[dict], fits: list[dict], low: int, high: int) -> dict:
-    """Merge into ``results/lora-<gpu>-<date><tag>.json`` (:func:`merge_lora_results`), or ``fp8-lora-...`` when the
-    run compares ``ligermodels-lora-fp8`` (docs/fp8.md shows it; the LoRA tables keep their bf16 comparisons);
-    its checks."""
+    """Merge into ``results/lora-<gpu>-<date><tag>.json`` (:func:`merge_lora_results`), ``qlora-lora-...`` when the
+    run compares the 4-bit impls (docs/qlora.md shows them), or ``fp8-lora-...`` when it compares
+    ``ligermodels-lora-fp8`` (docs/fp8.md shows it; the LoRA tables keep their bf16 comparisons); its checks."""
     gpu = (env.get("gpu") or "cpu").replace(" ", "_")
-    name = f"{'fp8-' if 'ligermodels-lora-fp8' in args.impls else ''}lora-{gpu}-{env['date']}{args.tag}"
+    prefix = ("qlora-" if any(i.startswith("ligermodels-qlora") or i in HF_QLORA_IMPLS for i in args.impls)
+              else "fp8-" if "ligermodels-lora-fp8" in args.impls else "")
+    name = f"{prefix}lora-{gpu}-{env['date']}{args.tag}"
     path = os.path.join(args.results, name + ".json")
     old = {}
     if os.path.isfile(path):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Wheels of TRL and Liger-Kernel (benchmarks/bench_preference.py's baselines: benchmark- and test-only, never a
-# dependency) and of what TRL imports that the GPU image lacks, for a GPU machine without network. Run from the
+# Wheels of TRL, Liger-Kernel and bitsandbytes (the baselines of benchmarks/bench_preference.py, bench_train.py's LoRA
+# and QLoRA runs and bench_nf4.py: benchmark- and test-only, never a dependency) and of what TRL imports that the GPU image lacks, for a GPU machine without network. Run from the
 # repository root on a machine where pip reaches PyPI:
 #
 #   bash benchmarks/fetch_trl_wheels.sh [DIR]          # default DIR: .whl (git-ignored)
@@ -15,4 +15,4 @@
 set -euo pipefail
 DIR=${1:-.whl}
 bash "$(dirname "$0")/fetch_wheels.sh" "$DIR" trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-  liger-kernel==0.8.5
+  liger-kernel==0.8.5 bitsandbytes==0.50.2

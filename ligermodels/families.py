@@ -545,8 +545,9 @@ class AutoLigerModel:
     """Picks the family class from ``config.json``'s ``model_type``: ``AutoLigerModel.from_hf(path)``."""
 
     @staticmethod
-    def from_hf(repo_or_dir: str, dtype=None, device=None, revision: str | None = None) -> CausalLM:
+    def from_hf(repo_or_dir: str, dtype=None, device=None, revision: str | None = None,
+                quantize: str | None = None) -> CausalLM:
         """Load any supported checkpoint; the class (LigerLlama, LigerQwen2, ...) comes from its model_type."""
         from ligermodels.hf_io import load_hf  # (hf_io imports this module)
 
-        return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision)
+        return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision, quantize=quantize)

@@ -22,6 +22,7 @@ import torch
 from checkpoints_tools import CheckpointError, CheckpointReader, read_config, resolve, to_dtype, write_checkpoint
 from checkpoints_tools.keymap import IGNORED_HF, native_to_hf, part_sizes
 from checkpoints_tools.safetensors_io import check_replaceable
+from kernels.nf4 import dequantize_nf4, quantize_nf4
 from ligermodels.config import DecoderConfig
 from ligermodels.families import Family, config_to_hf, family_of
 from ligermodels.model import CausalLM
@@ -29,9 +30,15 @@ from ligermodels.model import CausalLM
 
 def _checked_config(directory: str, repo_or_dir: str, expect: type[CausalLM] | None
                     ) -> tuple[dict, Family, DecoderConfig]:
-    """(config.json dict, family, native config) of a checkpoint directory; refuses an unsupported model
-    type, a config the family cannot read, and a family other than ``expect``'s."""
+    """(config.json dict, family, native config) of a checkpoint directory; refuses a checkpoint stored
+    quantised, an unsupported model type, a config the family cannot read, and a family other than ``expect``'s."""
     hf_cfg = read_config(directory)
+    quantized = hf_cfg.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "an unnamed method") if isinstance(quantized, dict) else quantized
+        raise CheckpointError(f"{repo_or_dir!r} is stored quantised ({method!r}, config.json quantization_config): "
+                              "ligermodels loads unquantised safetensors (from_hf(..., quantize='nf4') quantises "
+                              "one while loading)")
     family = family_of(hf_cfg.get("model_type"))
     if expect is not None and expect is not CausalLM and getattr(expect, "model_type", None) != family.cls.model_type:
         raise CheckpointError(f"{repo_or_dir!r} is a {family.model_type!r} checkpoint, not {expect.model_type!r}: "
@@ -40,7 +47,8 @@ def _checked_config(directory: str, repo_or_dir: str, expect: type[CausalLM] | N
 
 
 def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-            revision: str | None = None, expect: type[CausalLM] | None = None) -> CausalLM:
+            revision: str | None = None, expect: type[CausalLM] | None = None,
+            quantize: str | None = None) -> CausalLM:
     """Load an HF checkpoint into the family's model class (what ``CausalLM.from_hf`` calls).
 
     Args:
@@ -49,13 +57,23 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
             the dtype its weights are stored in (transformers' ``dtype="auto"``).
         device: target device (default CPU). Weights go straight there, one tensor at a time.
         expect: a family class (e.g. LigerQwen2); loading a checkpoint of another family is an error.
+        quantize: None, or "nf4": the decoder layers' projections (q/k/v, o, gate/up, down) stored in NF4 with
+            double-quantised block maxima (:mod:`kernels.nf4`, bitsandbytes' QLoRA format), frozen, for LoRA on a
+            4-bit base; embeddings, norms and the head stay in ``dtype`` (as transformers + bitsandbytes leave
+            them). Each weight is read, cast to ``dtype`` and quantised on ``device`` one at a time: neither the
+            host nor the device holds the dense model.
     Returns:
         The model in eval mode, with ``source_dir`` set to the checkpoint's directory.
 
     A hub repo's config.json is fetched and checked (family, ``expect``) before its weights download.
     """
+    if quantize not in (None, "nf4"):
+        raise ValueError(f"from_hf: quantize must be None or 'nf4', got {quantize!r}")
     directory = resolve(repo_or_dir, revision, check=lambda d: _checked_config(d, repo_or_dir, expect))
     hf_cfg, family, config = _checked_config(directory, repo_or_dir, expect)
+    if quantize and config.num_experts:
+        raise CheckpointError(f"{repo_or_dir!r}: quantize={quantize!r} covers dense models; a {family.model_type} "
+                              "model has mixture-of-experts layers")
     try:
         cfg_dtype = to_dtype(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")) if dtype is None else None
     except ValueError as e:
@@ -95,14 +113,59 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
                 reader.check(hf_name, (size, *shape[1:]))
                 pieces.append((name, hf_name, offset, size))
                 offset += size
-        model = model.to(dtype=dtype or reader.stored_dtype()).to_empty(device=device)
-        params = {name: p.view(shapes[name]) for name, p in model.named_parameters()}
+        dtype = dtype or reader.stored_dtype()
+        quantized = _make_room(model, quantize)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        params = {name: p.view(shapes[name]) for name, p in model.named_parameters() if name not in quantized}
         with torch.no_grad():
             for name, hf_name, offset, size in pieces:
-                params[name][offset:offset + size].copy_(reader.tensor(hf_name))
+                if name not in quantized:
+                    params[name][offset:offset + size].copy_(reader.tensor(hf_name))
+            for name in quantized:
+                parts = [p for p in pieces if p[0] == name]
+                dense = torch.cat([reader.tensor(p[1]).to(device, dtype) for p in parts])
+                weight = quantize_nf4(dense, [p[3] for p in parts])
+                del dense
+                model.get_submodule(name.rpartition(".")[0]).weight = torch.nn.Parameter(weight, requires_grad=False)
     model.init_buffers()
     model.source_dir = directory
     return model.eval()
+
+
+#: The parameters ``quantize`` stores in 4 bits: the decoder layers' projections.
+QUANTIZED = re.compile(r"layers\.\d+\.(attn\.(qkv|o)|mlp\.(gate_up|down))\.weight")
+
+
+def _make_room(model: CausalLM, quantize: str | None) -> set[str]:
+    """The names of the parameters ``quantize`` stores quantised (none without it), each replaced by an empty
+    placeholder so that allocating the model does not allocate them dense."""
+    if not quantize:
+        return set()
+    names = {n for n, _ in model.named_parameters() if QUANTIZED.fullmatch(n)}
+    for name in names:
+        model.get_submodule(name.rpartition(".")[0]).weight = torch.nn.Parameter(torch.empty(0, device="meta"),
+                                                                                 requires_grad=False)
+    return names
+
+
+def quantize_model(model: CausalLM, quantize: str = "nf4") -> CausalLM:
+    """Store ``model``'s decoder-layer projections in NF4 in place (as ``from_hf(..., quantize="nf4")`` loads them,
+    each fused projection quantised part by part, its parts the Hugging Face tensors it is saved as); returns it.
+    The weights are quantised from their values in their current dtype, which they keep reading as."""
+    if quantize != "nf4":
+        raise ValueError(f"quantize_model: quantize must be 'nf4', got {quantize!r}")
+    config = model.config
+    if config.num_experts:
+        raise ValueError(f"quantize_model: NF4 covers dense models; this {config.model_type} model has "
+                         "mixture-of-experts layers")
+    names = [n for n, _ in model.named_parameters() if QUANTIZED.fullmatch(n)]
+    plan = native_to_hf(names, config.num_layers, family_of(config.model_type).keymap, config.num_experts)
+    with torch.no_grad():
+        for name in names:
+            module = model.get_submodule(name.rpartition(".")[0])
+            rows = part_sizes(name, config.fused_part_sizes, len(plan[name]), module.weight.shape[0])
+            module.weight = torch.nn.Parameter(quantize_nf4(module.weight.detach(), rows), requires_grad=False)
+    return model
 
 
 def _rows_shape(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
@@ -115,7 +178,8 @@ def hf_tensors(state: dict[str, torch.Tensor], config: DecoderConfig) -> Iterato
     family = family_of(config.model_type)
     names = [n for n in state if not (config.tie_embeddings and n == "head.weight")]
     for native, parts in native_to_hf(names, config.num_layers, family.keymap, config.num_experts).items():
-        t = state[native].reshape(_rows_shape(state[native].shape))
+        t = dequantize_nf4(state[native])
+        t = t.reshape(_rows_shape(t.shape))
         sizes = part_sizes(native, config.fused_part_sizes, len(parts), t.shape[0])
         yield from zip(parts, torch.split(t, sizes, dim=0), strict=True)
 

@@ -222,11 +222,12 @@ class CausalLM(nn.Module):
     # ------------------------------------------------------------------------ checkpoints
     @classmethod
     def from_hf(cls, repo_or_dir: str, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-                revision: str | None = None) -> CausalLM:
-        """Load a Hugging Face checkpoint (safetensors only). See :func:`ligermodels.hf_io.load_hf`."""
+                revision: str | None = None, quantize: str | None = None) -> CausalLM:
+        """Load a Hugging Face checkpoint (safetensors only); ``quantize="nf4"`` stores the decoder layers'
+        projections in 4 bits (QLoRA). See :func:`ligermodels.hf_io.load_hf`."""
         from ligermodels.hf_io import load_hf  # (hf_io imports this module)
 
-        return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision, expect=cls)
+        return load_hf(repo_or_dir, dtype=dtype, device=device, revision=revision, expect=cls, quantize=quantize)
 
     def save_hf(self, out_dir: str, max_shard_bytes: int = 5 << 30) -> None:
         """Write config.json and sharded safetensors that transformers loads. See :func:`ligermodels.hf_io.save_hf`."""

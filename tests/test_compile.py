@@ -73,18 +73,22 @@ def test_op_compiles_without_graph_break_and_matches_eager(name):
         assert rel_err(a, b) <= 1e-2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora", "qwen3", "qwen3_moe", pytest.param(
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+lora", "llama+qlora", "qwen3", "qwen3_moe",
+                                        pytest.param(
     "llama+fp8", marks=pytest.mark.xfail(strict=True, reason="the FP8 norm kernel fails to compile under Inductor "
                                                             "(torch 2.11, H100): ligermodels.train refuses "
                                                             "--fp8 with --compile"))])
 def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_type):
     """The decoder's loss (attention with its SDPA backend choice, every custom op, the loss head) in one graph;
     "+lora": adapters on all seven projections (inside the fused norm/GLU/linear Functions), their gradients;
-    "+fp8": the projections in FP8 (use_fp8("rowwise"): the quantising norm/GLU kernels, torch._scaled_mm)."""
+    "+fp8": the projections in FP8 (use_fp8("rowwise"): the quantising norm/GLU kernels, torch._scaled_mm);
+    "+qlora": the adapters on NF4 projections (kernels.nf4's tensor, dequantised by its custom op)."""
     from ligermodels.families import config_from_hf, family_of
+    from ligermodels.hf_io import quantize_model
     from ligermodels.lora import add_lora, lora_modules
 
-    model_type, lora, fp8 = model_type.split("+")[0], model_type.endswith("+lora"), model_type.endswith("+fp8")
+    model_type, fp8, nf4 = model_type.split("+")[0], model_type.endswith("+fp8"), model_type.endswith("+qlora")
+    lora = nf4 or model_type.endswith("+lora")
 
     hf = dict(model_type=model_type, vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
@@ -99,6 +103,8 @@ def test_whole_model_loss_compiles_without_graph_break_and_matches_eager(model_t
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = family_of(model_type).cls(config_from_hf(hf)).to(torch.bfloat16).init_weights()
+        if nf4:
+            quantize_model(model)
         if lora:
             add_lora(model, r=16, alpha=32, targets=["q", "k", "v", "o", "gate", "up", "down"])
             for m in lora_modules(model).values():

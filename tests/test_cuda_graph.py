@@ -12,7 +12,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 
 def _tiny_model(model_type: str = "llama"):
+    """A two-layer model at random init on the GPU; ``"llama+qlora"``: its projections in NF4 with LoRA adapters
+    (B non-zero) on all seven."""
     from ligermodels.families import config_from_hf, family_of
+    from ligermodels.hf_io import quantize_model
+    from ligermodels.lora import add_lora, lora_modules
+
+    model_type, qlora = model_type.split("+")[0], model_type.endswith("+qlora")
 
     hf = dict(model_type=model_type, vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
@@ -20,26 +26,33 @@ def _tiny_model(model_type: str = "llama"):
               hidden_act="silu" if model_type == "llama" else "gelu_pytorch_tanh")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        return family_of(model_type).cls(config_from_hf(hf)).init_weights().train()
+        model = family_of(model_type).cls(config_from_hf(hf)).init_weights().train()
+    if qlora:
+        add_lora(quantize_model(model), r=8, alpha=16, targets=["q", "k", "v", "o", "gate", "up", "down"])
+        for m in lora_modules(model).values():
+            torch.nn.init.normal_(m.lora_B, std=0.02)
+    return model
 
 
 @needs_cuda
-@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "llama+qlora"])
 @pytest.mark.parametrize("tensor_lr", [False, True])
 @pytest.mark.parametrize("optimizer", ["torch", "kernels"])
 def test_replayed_steps_match_eager_steps(model_type, tensor_lr, optimizer):
     """Five steps on changing batches, with a learning-rate schedule when the lr is a tensor: the same losses,
     parameters and Adam moments as five eager steps from the same start (fp32, so differences are rounding),
-    with torch's fused AdamW and with kernels.AdamW."""
+    with torch's fused AdamW and with kernels.AdamW; "+qlora": LoRA on an NF4 base (its dequantisation inside the
+    graph)."""
     from kernels import AdamW
 
     def make():
         model = _tiny_model(model_type)
         lr = torch.tensor(1e-3, device="cuda") if tensor_lr else 1e-3
+        params = [p for p in model.parameters() if p.requires_grad]
         if optimizer == "torch":
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=True, capturable=True)
+            opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.1, fused=True, capturable=True)
         else:
-            opt = AdamW(model.parameters(), lr=lr, weight_decay=0.1, capturable=True)
+            opt = AdamW(params, lr=lr, weight_decay=0.1, capturable=True)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i)) if tensor_lr else None
         return model, opt, sched
 
@@ -68,6 +81,8 @@ def test_replayed_steps_match_eager_steps(model_type, tensor_lr, optimizer):
     assert losses == pytest.approx(eager_losses, rel=1e-5)
     assert len(set(losses)) == len(losses)  # each replay read its own batch and updated the weights
     for (name, p), q in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+        if not p.requires_grad:  # (frozen: the NF4 base)
+            continue
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=f"parameter {name}")
         for key in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(opt_g.state[p][key], opt_e.state[q][key], rtol=1e-4, atol=1e-9,
@@ -101,6 +116,8 @@ def test_capture_after_eager_steps_keeps_the_optimiser_state():
         runs.append((model, opt))
     (eager, opt_e), (graphed, opt_g) = runs
     for (name, p), q in zip(graphed.named_parameters(), eager.parameters(), strict=True):
+        if not p.requires_grad:  # (frozen: the NF4 base)
+            continue
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=f"parameter {name}")
         assert opt_g.state[p]["step"].item() == opt_e.state[q]["step"].item() == 4
 

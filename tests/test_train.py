@@ -51,7 +51,7 @@ from ligermodels.train.data import (
     special_token_ids,
     tokenize,
 )
-from ligermodels.train.demo import build_tokenizer, corpus, save_tokenizer
+from ligermodels.train.demo import build_tokenizer, save_tokenizer
 from ligermodels.train.metrics import metrics_up_to
 from ligermodels.train.parallelize import (
     apply_activation_checkpointing,
@@ -89,35 +89,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("train")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(workdir) -> str:
-    """A tiny random transformers Llama with the demo's character tokenizer beside it."""
-    import transformers
-
-    tok = build_tokenizer()
-    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64, bos_token_id=2, eos_token_id=3, pad_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float()
-    path = str(workdir / "tiny-llama")
-    model.save_pretrained(path)
-    save_tokenizer(tok, path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def data(workdir) -> str:
-    path = workdir / "data.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in corpus(300, seed=1)))
-    return str(path)
-
-
 def _flags(checkpoint: str, data: str, out) -> list[str]:
     return ["--model", checkpoint, "--data", data, "--out", str(out), "--seq-len", "32", "--batch-size", "2",
             "--steps", "4", "--lr", "1e-2", "--warmup-steps", "1", "--dtype", "fp32", "--device", "cpu"]

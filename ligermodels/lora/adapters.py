@@ -13,6 +13,7 @@ from torch import nn
 
 from kernels._common import compute_dtype
 from kernels.low_rank import LowRank, lora_linear
+from kernels.nf4 import NF4Tensor, dequantize_nf4
 from ligermodels.blocks import MLP, Attention, MoE
 
 
@@ -65,7 +66,8 @@ class LoRALinear(nn.Linear):
     """
 
     def __init__(self, base: nn.Linear, targets: Iterable[str], slices: Iterable[tuple[int, int]], r: int,
-                 alpha: float, dropout: float = 0.0, use_rslora: bool = False):
+                 alpha: float, dropout: float = 0.0, use_rslora: bool = False,
+                 device: torch.device | str | None = None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.register_parameter("weight", base.weight)
@@ -76,7 +78,7 @@ class LoRALinear(nn.Linear):
         self.lora_scale = alpha / (math.sqrt(r) if use_rslora else r)
         self.lora_enabled = True  # False inside adapters_disabled(): the frozen base alone
         self.fp8 = getattr(base, "fp8", None)  # the base projection's FP8 mode (CausalLM.use_fp8)
-        device = base.weight.device
+        device = base.weight.device if device is None else device
         width = sum(e - s for s, e in self.lora_slices)
         self.lora_A = nn.Parameter(torch.empty(len(self.lora_targets) * r, self.in_features, device=device))
         self.lora_B = nn.Parameter(torch.empty(width, r, device=device))
@@ -129,7 +131,8 @@ class LoRAExperts(nn.Module):
     is as large as the weight it adapts and is kept for backward, as PEFT's is. No dropout: the update is applied to
     the weight, where an input dropout cannot act (PEFT refuses it too)."""
 
-    def __init__(self, base: nn.Parameter, weight_name: str, r: int, alpha: float, use_rslora: bool = False):
+    def __init__(self, base: nn.Parameter, weight_name: str, r: int, alpha: float, use_rslora: bool = False,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.weight_name = weight_name  # the MoE block's attribute it adapts: experts_gate_up or experts_down
         experts, out_features, in_features = base.shape
@@ -137,8 +140,9 @@ class LoRAExperts(nn.Module):
         self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_use_rslora = r, alpha, 0.0, use_rslora
         self.lora_scale = alpha / (math.sqrt(r) if use_rslora else r)
         self.lora_enabled = True  # False inside adapters_disabled()
-        self.lora_A = nn.Parameter(torch.empty(r * experts, in_features, device=base.device))
-        self.lora_B = nn.Parameter(torch.zeros(out_features, r * experts, device=base.device))
+        device = base.device if device is None else device
+        self.lora_A = nn.Parameter(torch.empty(r * experts, in_features, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, r * experts, device=device))
         with torch.no_grad():  # PEFT's init: A as one Linear(in, r*E), Kaiming-uniform (a = sqrt(5)); B zero
             nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
 
@@ -239,7 +243,8 @@ def normalize_targets(targets: str | Iterable[str]) -> list[str]:
 
 
 def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
-             targets: str | Iterable[str] = ("q", "v"), use_rslora: bool = False) -> nn.Module:
+             targets: str | Iterable[str] = ("q", "v"), use_rslora: bool = False,
+             device: torch.device | str | None = None) -> nn.Module:
     """Freeze ``model`` and put LoRA adapters on the ``targets`` of every Attention / MLP block in it.
 
     Works on a ``CausalLM`` (from ``from_hf`` or from scratch) and on any module built from the blocks.
@@ -250,6 +255,8 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
         targets: among q, k, v, o, gate, up, down, qkv, gate_up (or PEFT's q_proj ... down_proj, qkv_proj,
             gate_up_proj), and on mixture-of-experts blocks ``experts`` (= ``experts_gate_up`` and
             ``experts_down``: every expert's weights, :class:`LoRAExperts`; dropout must then be 0).
+        device: where the adapters are created and their init drawn (default: each base weight's device); e.g.
+            "cpu" draws the same init whatever device the base is on (move them after).
     Returns:
         ``model``, changed in place: every parameter frozen (``requires_grad`` False, dtype unchanged), the
         adapters (fp32, B zero) the only trainable parameters.
@@ -298,12 +305,12 @@ def add_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float =
     for block, proj, parts in plan:
         base = getattr(block, proj)
         setattr(block, proj, LoRALinear(base, [p[0] for p in parts], [p[1:] for p in parts], r, float(alpha),
-                                        float(dropout), bool(use_rslora)))
+                                        float(dropout), bool(use_rslora), device))
     for block in [m for m in model.modules() if isinstance(m, MoE)]:
         for t in experts:
             weight = EXPERT_TARGETS[t][0]
             setattr(block, f"{weight}_lora", LoRAExperts(getattr(block, weight), weight, r, float(alpha),
-                                                        bool(use_rslora)))
+                                                        bool(use_rslora), device))
     return model
 
 
@@ -328,8 +335,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold the adapters into the base weights (W[s:e] += scale * B_t @ A_t, in fp32, rounded once to W's
     dtype) and put plain ``nn.Linear`` modules back, so ``state_dict`` / ``save_hf`` hold a plain checkpoint.
 
-    The base weights stay frozen (``requires_grad_(True)`` them to train further). The model is marked
-    merged: LoRA calls on it afterwards are refused.
+    The base weights stay frozen (``requires_grad_(True)`` them to train further). A 4-bit (NF4) base weight is
+    dequantised first: the merged weight is dense. The model is marked merged: LoRA calls on it afterwards are
+    refused.
     """
     _refuse_merged(model, "merge_lora")
     mods = _all_adapters(model)
@@ -341,6 +349,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
             m.merge_into(getattr(parent, m.weight_name).data, m.lora_A, m.lora_B)
             setattr(parent, f"{m.weight_name}_lora", None)
             continue
+        if isinstance(m.weight, NF4Tensor):  # a 4-bit base: merged into a dense copy of its values
+            m.weight = nn.Parameter(m.weight.dequantize(), requires_grad=False)
         m.merge_into(m.weight, m.lora_A, m.lora_B)
         plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         plain.weight, plain.bias = m.weight, m.bias
@@ -366,7 +376,7 @@ def merge_lora_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[s
         missing = [k for k in (weight, f"{name}.lora_A", f"{name}.lora_B") if k not in state]
         if missing:
             raise LoRAError(f"merge_lora_state: the state dict lacks {missing}")
-        w = out[weight] = state[weight].clone()
+        w = out[weight] = dequantize_nf4(state[weight]).clone()  # an NF4 base: merged into its dense values
         m.merge_into(w, state[f"{name}.lora_A"], state[f"{name}.lora_B"])
     return out
 

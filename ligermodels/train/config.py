@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.fp8 import fp8_supported
+from kernels.nf4 import nf4_supported
 from ligermodels.lora import LoRAError, normalize_targets
 
 
@@ -121,6 +122,10 @@ class TrainConfig:
                              "weight gradients in bf16. With LoRA the frozen base's GEMMs run in FP8, the "
                              "adapters' in bf16. Needs compute capability 8.9+ (Ada, Hopper) on CUDA",
                      ("none", "rowwise", "rowwise-e5m2", "rowwise-gw-bf16"))
+    quantize: str = _flag("none", "LoRA on a 4-bit base (QLoRA): nf4 stores the frozen decoder projections in NF4 "
+                                  "with double-quantised block maxima (bitsandbytes' format; kernels.nf4), quantised "
+                                  "on the device while loading; the adapters, embeddings, norms and head as without",
+                          ("none", "nf4"))
     attention: str = _flag("documents", "documents: a token attends within its own document of the packed row; "
                                         "causal: across the whole row (as transformers' SDPA path without position "
                                         "ids)", ("documents", "causal"))
@@ -223,6 +228,16 @@ class TrainConfig:
                              "yet; drop --compile (the FP8 step runs eagerly)")
         if self.fp8 != "none" and self.device == "cuda" and (why := fp8_supported(torch.device("cuda"))):
             raise TrainError(f"--fp8: {why}")
+        if self.quantize != "none":
+            if not self.lora_rank:
+                raise TrainError(f"--quantize {self.quantize} freezes the base in 4 bits: it trains LoRA adapters on "
+                                 "it and needs --lora-rank")
+            for flag, on in (("--fp8", self.fp8 != "none"), ("--compile", self.compile)):
+                if on:
+                    raise TrainError(f"--quantize {self.quantize} with {flag}: not supported (the 4-bit base runs "
+                                     "its GEMMs in the compute dtype, eagerly or in a CUDA graph)")
+            if self.device == "cuda" and (why := nf4_supported(torch.device("cuda"))):
+                raise TrainError(f"--quantize {self.quantize}: {why}")
         if self.merge and not self.lora_rank:
             raise TrainError("--merge folds LoRA adapters into the base: it needs --lora-rank")
         if self.lora_rank and self.random_init and not self.merge:

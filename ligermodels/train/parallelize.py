@@ -29,8 +29,8 @@ from kernels import AdamW
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.config import DecoderConfig
 from ligermodels.families import UnsupportedConfigError
-from ligermodels.hf_io import load_hf
-from ligermodels.lora import add_lora
+from ligermodels.hf_io import load_hf, quantize_model
+from ligermodels.lora import add_lora, lora_modules
 from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig, TrainError
 from ligermodels.train.data import Inputs
@@ -117,6 +117,8 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
     ``frozen``: a preference objective's reference model: the same initial weights, no adapters, no gradients,
     no activation checkpointing, in the compute dtype (no fp32 master), sharded as the policy is, in eval mode.
     """
+    if config.quantize != "none" and not frozen:
+        return build_quantized_model(inputs, config, world, device)
     full_state, error = {}, None
     if rank == 0:
         try:
@@ -168,6 +170,34 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
     load_full_state(model, full_state, rank, world, device)
     model.init_buffers()
     return model.eval() if frozen else model.train()
+
+
+def build_quantized_model(inputs: Inputs, config: TrainConfig, world: int, device: torch.device) -> CausalLM:
+    """QLoRA on one rank: the base read from the checkpoint straight onto ``device`` in the compute dtype, its
+    decoder projections quantised there one weight at a time (``from_hf(..., quantize=...)``), or drawn from
+    ``--seed`` and quantised; the adapters drawn on the host from ``--seed`` (the same as a bf16 LoRA run's) and
+    kept fp32 on ``device``."""
+    if world > 1:
+        raise TrainError(f"--quantize {config.quantize} trains on one GPU: the 4-bit base is not sharded by FSDP2")
+    dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+    try:
+        if inputs.weights_dir is not None:
+            model = load_hf(inputs.weights_dir, dtype=dtype, device=device, quantize=config.quantize)
+        else:
+            torch.manual_seed(config.seed)
+            with torch.device(init_device(inputs.config, device)):
+                model = inputs.cls(inputs.config).init_weights()
+            model = quantize_model(model.to(device=device, dtype=dtype), config.quantize)
+    except (CheckpointError, UnsupportedConfigError, ValueError) as e:
+        raise TrainError(str(e)) from None
+    torch.manual_seed(config.seed)
+    add_lora(model, device="cpu", **lora_options(config))
+    model.requires_grad_(False)
+    for m in lora_modules(model).values():
+        m.lora_A, m.lora_B = (torch.nn.Parameter(p.detach().to(device)) for p in (m.lora_A, m.lora_B))
+    apply_activation_checkpointing(model, config.ac)
+    model.init_buffers()
+    return model.train()
 
 
 def init_device(config: DecoderConfig, device: torch.device) -> torch.device:

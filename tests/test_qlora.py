@@ -1,0 +1,204 @@
+"""QLoRA: ``from_hf(..., quantize="nf4")`` and ``ligermodels.train --quantize nf4`` against transformers +
+bitsandbytes + PEFT, training, resume and ``--merge``, and the refusals.
+
+The CLI runs are subprocesses with the PyTorch path (``TRITON_INTERPRET=0``, as in test_train): the kernels
+themselves are test_nf4's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from ligermodels import AutoLigerModel, LigerLlama
+from ligermodels.lora import add_lora, load_lora, merge_lora, save_lora
+from tests.test_train import _cut_back_to_step_2, _flags, _metrics, _rel, _train
+
+bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes (test-only) is the QLoRA reference")
+
+
+def _bnb_model(path: str, dtype: torch.dtype, device: str = "cpu"):
+    """transformers' QLoRA base: NF4, block 64, double quantisation, computing in ``dtype``, on ``device``."""
+    import transformers
+
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=dtype,
+                                                             device_map=device).eval()
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(workdir) -> str:
+    """A tiny random bf16 Llama whose projections' widths are multiples of 64 (bitsandbytes' CPU 4-bit matmul
+    needs whole blocks per row)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = str(workdir / "wide-llama")
+    transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _ids(vocab: int) -> torch.Tensor:
+    return torch.randint(4, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def test_from_hf_nf4_quantises_the_projections_and_keeps_the_rest(checkpoint):
+    q = AutoLigerModel.from_hf(checkpoint, dtype=torch.float32, quantize="nf4")
+    dense = AutoLigerModel.from_hf(checkpoint, dtype=torch.float32)
+    kinds = {n: type(p).__name__ for n, p in q.named_parameters()}
+    assert {n for n, k in kinds.items() if k == "NF4Tensor"} == {
+        f"layers.{i}.{p}.weight" for i in range(2) for p in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")}
+    for name, p in dense.named_parameters():  # embeddings, norms, head: the checkpoint's values
+        if kinds[name] != "NF4Tensor":
+            assert torch.equal(q.get_parameter(name), p), name
+    ids = _ids(q.config.vocab_size)
+    with torch.no_grad():
+        assert 1e-3 < _rel(q(ids), dense(ids)) < 0.3  # 4-bit weights: near the dense logits, not equal
+
+
+def _dequantised_twin(model, path: str, dtype: torch.dtype):
+    """transformers' dense model of ``path`` holding the dequantised weights of bitsandbytes' 4-bit ``model``
+    (``bitsandbytes.functional.dequantize_4bit`` of each Linear4bit, read before any forward)."""
+    import transformers
+
+    dense = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if type(m).__name__ == "Linear4bit":
+                w = bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).to(dtype)
+                dense.get_submodule(name).weight.copy_(w)
+    return dense
+
+
+def test_an_adapter_trained_on_nf4_gives_peft_on_bitsandbytes_the_same_logits(wide_checkpoint, workdir):
+    """Our NF4 base + adapters (B non-zero) saved in PEFT's format and loaded by peft onto transformers' bitsandbytes
+    4-bit model of the same checkpoint: the same logits. The bound, 1e-4 relative in fp32, covers the GEMMs' order
+    of summation; the 4-bit rounding itself moves these logits by over 1e-2 (checked), so a difference in
+    quantisation would show. On CUDA the Linear4bit modules run; on the CPU, where bitsandbytes repacks a 4-bit
+    weight for its CPU kernels with the block maxima in bf16 and searches the 8-bit map approximately (test_nf4),
+    its dequantised weights stand in, in transformers' dense model, and the bound is 2e-3."""
+    import peft
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = AutoLigerModel.from_hf(wide_checkpoint, dtype=torch.float32, device=device, quantize="nf4")
+    torch.manual_seed(1)
+    add_lora(ours, r=4, alpha=8, targets=["q", "k", "v", "o", "gate", "up", "down"])
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.5)
+    out = workdir / "nf4-adapter"
+    save_lora(ours, str(out))
+    four_bit = _bnb_model(wide_checkpoint, torch.float32, device)
+    base = four_bit if device == "cuda" else _dequantised_twin(four_bit, wide_checkpoint, torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, str(out)).eval()
+    ids = _ids(ours.config.vocab_size).to(device)
+    with torch.no_grad():
+        mine, ref = ours(ids), theirs(ids).logits
+        assert _rel(mine, ref) <= (1e-4 if device == "cuda" else 2e-3)
+        plain = AutoLigerModel.from_hf(wide_checkpoint, dtype=torch.float32, device=device)
+        assert _rel(mine, AutoLigerModel.from_hf(wide_checkpoint, dtype=torch.float32, device=device,
+                                                 quantize="nf4")(ids)) > 1e-2
+        assert _rel(mine, load_lora(plain, str(out))(ids)) > 1e-2
+
+
+def test_lora_on_an_nf4_base_trains_as_on_its_dequantised_weights(checkpoint):
+    """The same adapters on the NF4 model and on a dense model holding its dequantised weights: equal loss and
+    adapter gradients (the GEMMs read the same values); merge_lora dequantises and folds them in."""
+    q = AutoLigerModel.from_hf(checkpoint, dtype=torch.float32, quantize="nf4")
+    dense = AutoLigerModel.from_hf(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in q.named_parameters():
+            dense.get_parameter(name).copy_(p.dequantize() if hasattr(p, "dequantize") else p)
+    for m in (q, dense):
+        torch.manual_seed(2)
+        add_lora(m, r=4, alpha=8, targets=["q", "v", "gate", "down"])
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("lora_B"):
+                    p.fill_(0.01)
+    ids = _ids(q.config.vocab_size)
+    losses = [m.loss(ids, ids) for m in (q, dense)]
+    assert losses[0].item() == losses[1].item()
+    for loss in losses:
+        loss.backward()
+    for (name, a), (_, b) in zip(q.named_parameters(), dense.named_parameters(), strict=True):
+        if a.requires_grad:
+            assert torch.equal(a.grad, b.grad), name
+    with torch.no_grad():
+        adapted = q(ids)
+        merge_lora(q)
+        assert _rel(q(ids), adapted) <= 1e-6
+        kinds = {n: type(p).__name__ for n, p in q.named_parameters()}
+        assert kinds["layers.0.attn.qkv.weight"] == "Parameter" and kinds["layers.0.attn.o.weight"] == "NF4Tensor"
+
+
+@pytest.fixture(scope="module")
+def runs_qlora(checkpoint, data, workdir):
+    """--quantize nf4 with LoRA (rank 4, all seven projections), checkpoints at steps 2 and 4 and --merge, and the
+    run resumed from its step-2 checkpoint."""
+    flags = ["--quantize", "nf4", "--lora-rank", "4", "--lora-alpha", "8", "--save-every", "2", "--merge"]
+    out = workdir / "qlora"
+    res = _train([*_flags(checkpoint, data, out), *flags])
+    assert res.returncode == 0, res.stderr[-4000:]
+    resumed = _cut_back_to_step_2(out, workdir / "qlora-resumed")
+    res = _train([*_flags(checkpoint, data, resumed), *flags, "--resume"])
+    assert res.returncode == 0 and "(step 2)" in res.stdout, res.stderr[-4000:]
+    return out, resumed
+
+
+def test_qlora_training_exports_an_adapter_peft_loads_on_bitsandbytes_and_a_merged_bf16_model(runs_qlora,
+                                                                                              checkpoint):
+    out, resumed = runs_qlora
+    metrics = _metrics(out)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    final = out / "final"
+    with open(final / "adapter_config.json") as f:
+        assert json.load(f)["r"] == 4
+    adapted = load_lora(AutoLigerModel.from_hf(checkpoint, dtype=torch.float32, quantize="nf4"), str(final))
+    ids = _ids(adapted.config.vocab_size)
+    merged = AutoLigerModel.from_hf(str(out / "merged"), dtype=torch.float32)
+    assert not any(type(p).__name__ == "NF4Tensor" for p in merged.parameters())
+    with torch.no_grad():
+        assert _rel(adapted(ids), merged(ids)) <= 1e-5  # the merged checkpoint: dequantised base + adapters
+    assert [(m["loss"], m["grad_norm"]) for m in metrics] == [(m["loss"], m["grad_norm"]) for m in _metrics(resumed)]
+    assert (resumed / "final" / "adapter_model.safetensors").read_bytes() == \
+        (final / "adapter_model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--quantize", "nf4"], "--quantize nf4 freezes the base in 4 bits: it trains LoRA adapters on it and needs "
+                            "--lora-rank"),
+    (["--quantize", "nf4", "--lora-rank", "4", "--fp8", "rowwise"], "--quantize nf4 with --fp8: not supported"),
+    (["--quantize", "nf8", "--lora-rank", "4"], "--quantize"),
+])
+def test_bad_quantize_flags_are_refused_by_name(checkpoint, data, workdir, flags, message):
+    res = _train([*_flags(checkpoint, data, workdir / "bad-q"), *flags])
+    assert res.returncode != 0 and message in res.stderr, res.stderr[-2000:]
+
+
+def test_a_checkpoint_stored_quantised_is_refused_naming_its_scheme(checkpoint, workdir):
+    path = workdir / "gptq"
+    shutil.copytree(checkpoint, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match="stored quantised \\('gptq'"):
+        LigerLlama.from_hf(str(path), quantize="nf4")
+
+
+def test_nf4_refuses_a_mixture_of_experts_model():
+    from ligermodels import DecoderConfig, LigerQwen3Moe
+    from ligermodels.hf_io import quantize_model
+
+    cfg = DecoderConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=4, num_kv_heads=2, num_experts=4, experts_per_token=2)
+    with torch.device("meta"):
+        model = LigerQwen3Moe(cfg)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        quantize_model(model)
