@@ -14,8 +14,9 @@ the GEMM that follows (bf16, 2048 and 8192 tokens) for scale.
 
 ``load``: ``LigerLlama.from_hf(BASE, dtype="bf16", device="cuda", quantize="nf4")`` of ``--base``, a bf16
 checkpoint (bench_train's ``WORK/llama-3.1-8b/base``: Llama-3.1-8B's shape at random init), each in a process of its
-own: seconds, the host's peak resident memory growth (``ru_maxrss``), the GPU's peak and the weights' bytes, against
-the bf16 load of the same checkpoint.
+own: seconds, the host's peak resident memory growth (``ru_maxrss``: the checkpoint's memory-mapped pages count
+while mapped) and its anonymous memory's peak growth (``RssAnon`` sampled every 5 ms: what the loader allocated), the
+GPU's peak and the weights' bytes, against the bf16 load of the same checkpoint.
 
 Written to ``results/nf4-<gpu>-<date><tag>.json``; docs/qlora.md shows it (``python -m benchmarks.report``).
 
@@ -106,19 +107,42 @@ def load(base: str) -> dict:
             "rows": rows}
 
 
+def _anon_bytes() -> int:
+    """This process's anonymous resident memory (``RssAnon``): what it allocated, without the pages of files it
+    maps (a memory-mapped checkpoint's pages count in ``ru_maxrss`` while mapped, reclaimable page cache)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def load_worker(model_dir: str, quantize: str) -> None:
+    import threading
+
     from ligermodels import LigerLlama
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before, anon0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, _anon_bytes()
+    peak, done = [anon0], threading.Event()
+
+    def sample():  # the anonymous memory's peak, every 5 ms
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], _anon_bytes())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
     model = LigerLlama.from_hf(model_dir, dtype="bf16", device="cuda",
                                quantize=None if quantize == "none" else quantize)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    done.set()
+    sampler.join()
     host = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / 1e9
     weights = sum(p.nbytes_stored() if hasattr(p, "nbytes_stored") else p.numel() * p.element_size()
                   for p in model.parameters())
     print(json.dumps({"seconds": round(seconds, 1), "host_peak_growth_gb": round(host, 2),
+                      "host_anonymous_peak_growth_gb": round((max(peak[0], _anon_bytes()) - anon0) / 1e9, 2),
                       "gpu_peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
                       "weights_gb": round(weights / 1e9, 2)}))
 

@@ -816,7 +816,9 @@ def lora_settings(args, low: int, high: int) -> dict:
     return {"seq": args.seq, "steps": args.steps, "warmup_steps_dropped": args.warmup, "ac": args.ac,
             "doc_words": [low, high], "lr": LORA_LR, "lr_schedule": "constant", "grad_clip": 1.0,
             "lora": {**LORA, "targets": list(LORA["targets"])},
-            "precision": "frozen bf16 base, fp32 adapters (AdamW, weight decay 0.1), bf16 compute",
+            "precision": ("frozen NF4 base (QLoRA: block 64, double-quantised maxima; embeddings, norms and head bf16)"
+                          if any(i.startswith("ligermodels-qlora") or i in HF_QLORA_IMPLS for i in args.impls)
+                          else "frozen bf16 base") + ", fp32 adapters (AdamW, weight decay 0.1), bf16 compute",
             "base": f"random init, seed {SEED}, bf16, written once"}
 
 
