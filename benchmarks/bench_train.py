@@ -60,7 +60,21 @@ first step's loss is the same base loss on both sides.
   the adapters fp32 on a bf16 base, the Trainer's bf16 autocast computes in bf16. Peak memory from the
   loaded model on (the bf16 base resident). ``hf+peft`` (the Trainer alone) runs only when named in ``--impls``.
 
-Their targets (:data:`LORA_TARGETS`, in each shape's ``checks``): tokens/s at least 1.3x the faster of the
+QLoRA (named in ``--impls``; written to ``results/qlora-lora-<gpu>-<date><tag>.json``, shown by docs/qlora.md):
+
+* ``ligermodels-qlora`` / ``ligermodels-qlora-graph``: ``ligermodels-lora``'s command with ``--quantize nf4`` (and
+  ``--cuda-graph``): the base's projections in NF4, quantised on the GPU while loading.
+* ``hf+peft+bnb+liger`` / ``hf+peft+bnb+compile`` / ``hf+peft+bnb``: the PEFT Trainers on transformers'
+  ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+  bnb_4bit_compute_dtype=torch.bfloat16)`` base (no ``prepare_model_for_kbit_training``, which would cast the
+  norms, embeddings and head to fp32); with ``--ac full`` the Trainer's ``gradient_checkpointing``
+  (``use_reentrant=False``).
+
+Their targets (:data:`QLORA_TARGETS`): the faster of ours eager and graphed at least 1.5x the fastest of those
+Trainers in tokens/s, and at most 0.7x the peak memory of the leanest. ``--max-batch --memory-cap 24`` finds the
+largest micro-batch within 24 GB (``torch.cuda.set_per_process_memory_fraction`` in each process).
+
+The LoRA targets (:data:`LORA_TARGETS`, in each shape's ``checks``): tokens/s at least 1.3x the faster of the
 two Trainers, peak memory at most 0.7x Trainer + PEFT + Liger's. Written to ``results/lora-<gpu>-<date><tag>.json``,
 merged into an existing file of that name (rows by impl and shape, max-batch entries by impl; the checks
 computed again from the merged rows), so one shape's impls may be run by several calls with the same
@@ -81,6 +95,8 @@ a process compiled for that batch alone.
 
     python -m benchmarks.bench_train --out /tmp/bt --lora --runs llama-1b:8 qwen2-7b:4 --steps 16
     python -m benchmarks.bench_train --out /tmp/bt --lora --max-batch --runs qwen2-7b:4
+    python -m benchmarks.bench_train --out /tmp/bt --impls ligermodels-qlora-graph hf+peft+bnb+liger \\
+        hf+peft+bnb+compile --runs llama-3.1-8b:1 llama-3.1-8b:4 --ac full --steps 12 --warmup 4
 """
 
 from __future__ import annotations
@@ -528,6 +544,9 @@ def max_batch_worker(args) -> dict:
     process; ``{"max_batch", "first_oom_batch", "tries"}`` (each try with its peak memory in GB)."""
     import torch
 
+    if args.memory_cap and torch.cuda.is_available():  # a smaller card: the allocator refuses beyond the cap
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap * 1e9 / total))
     tries = (LigermodelsTries(args, args.model_dir, args.data, args.worker)
              if args.worker in ("ligermodels-lora", "ligermodels-qlora") else None)
     run = tries if tries is not None else hf_tries(args, args.worker, "cuda" if torch.cuda.is_available() else "cpu")
@@ -559,6 +578,8 @@ def run_worker(args, impl: str, model: str, batch: int, model_dir: str, data: st
            "--ac", args.ac, "--model-dir", model_dir, "--data", data, "--out", out]
     if args.max_batch:
         cmd += ["--max-batch", "--max-batch-limit", str(args.max_batch_limit)]
+        if args.memory_cap:
+            cmd += ["--memory-cap", str(args.memory_cap)]
     t0 = time.perf_counter()
     res = run_child(cmd, args.timeout)
     wall = time.perf_counter() - t0
@@ -681,6 +702,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-batch", action="store_true",
                     help="LoRA: find each impl's largest micro-batch, in one process per impl")
     ap.add_argument("--max-batch-limit", type=int, default=256, help="the largest micro-batch --max-batch tries")
+    ap.add_argument("--memory-cap", type=float, default=None,
+                    help="--max-batch: cap each process's GPU memory at this many GB (a 24 GB card: 24), through "
+                         "torch.cuda.set_per_process_memory_fraction")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="leading steps left out of the median")
@@ -762,7 +786,8 @@ def main(argv=None) -> None:
                 out = os.path.join(work, model, f"{impl}-max-batch")
                 found = run_worker(args, impl, model, batch, base, data, out)
                 fits.append({"impl": impl, "model": model, "seq": args.seq, "ac": args.ac,
-                             "steps_per_try": MAX_BATCH_STEPS, **found})
+                             "steps_per_try": MAX_BATCH_STEPS, **found,
+                             **({"memory_cap_gb": args.memory_cap} if args.memory_cap else {})})
                 print({k: v for k, v in fits[-1].items() if k != "error"}, found.get("error", "")[-600:], flush=True)
                 write_lora(args, env, [], fits, low, high)
             continue

@@ -29,9 +29,11 @@ TARGETS = {
     "docs/preference.md": ("preference", "dpo_head"),
     "docs/moe.md": ("moe",),
     "docs/fp8.md": ("fp8",),
+    "docs/qlora.md": ("qlora",),
 }
 #: Display names of the benchmark shapes (public configs, benchmarks/common.py MODELS).
-MODEL_NAMES = {"llama-1b": "Llama-3.2-1B", "qwen2-1.5b": "Qwen2-1.5B", "qwen2-7b": "Qwen2-7B",
+MODEL_NAMES = {"llama-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B",
+               "qwen2-1.5b": "Qwen2-1.5B", "qwen2-7b": "Qwen2-7B",
                "qwen3-1.7b": "Qwen3-1.7B", "gemma-2b": "Gemma-2B", "gemma2-2b": "Gemma-2-2B",
                "qwen3-30b-a3b-l4": "Qwen3-30B-A3B (4 of 48 layers)", "mixtral-8x7b-l2": "Mixtral-8x7B (2 of 32 layers)"}
 
@@ -903,6 +905,101 @@ def fp8() -> str:
     return "\n".join(lines + _sources(files)[1:])
 
 
+# ------------------------------------------------------------------------------------------ QLoRA
+_QLORA_IMPLS = {"ligermodels-qlora": "`ligermodels.train --quantize nf4 --lora-rank 16`",
+                "ligermodels-qlora-graph": "`ligermodels.train --quantize nf4 --lora-rank 16 --cuda-graph`",
+                "hf+peft+bnb": "Trainer + PEFT + bitsandbytes",
+                "hf+peft+bnb+liger": "Trainer + PEFT + bitsandbytes + Liger",
+                "hf+peft+bnb+compile": "Trainer + PEFT + bitsandbytes + torch.compile"}
+
+
+def _qlora_training(d: dict) -> list[str]:
+    """One qlora-lora file: a table per (model, micro-batch), ours against each Trainer, with the checks."""
+    st, lo = d["settings"], d["settings"]["lora"]
+    lines = [f"**{_name(d['rows'][0]['model'])}, seq {st['seq']}, activation checkpointing `{st['ac']}`** "
+             f"({_short_gpu(d['gpu'])}): rank {lo['rank']}, alpha {lo['alpha']:g} on {', '.join(lo['targets'])}; "
+             f"{st['precision']}; the same base checkpoint ({st['base']}) and packed rows for every run; median of "
+             f"steps {st['warmup_steps_dropped'] + 1}-{st['steps']}. Peak memory is max allocated (GB = 1e9 B): ours "
+             "over the whole process (loading included), the Trainer's from the loaded model on.", "",
+             "| micro-batch | run | tokens/s | peak memory (GB) | speed / fastest Trainer | memory / leanest Trainer |",
+             "|---|---|---|---|---|---|"]
+    for batch in sorted({r["batch"] for r in d["rows"]}):
+        rows = [r for r in d["rows"] if r["batch"] == batch and "error" not in r]
+        rivals = [r for r in rows if r["impl"].startswith("hf")]
+        fast = max(rivals, key=lambda r: r["tokens_per_s"], default=None)
+        lean = min(rivals, key=lambda r: r["peak_mem_gb"], default=None)
+        for r in sorted(rows, key=lambda r: (not r["impl"].startswith("ligermodels"), -r["tokens_per_s"])):
+            speed = f"{r['tokens_per_s'] / fast['tokens_per_s']:.2f}x" if fast else "-"
+            memory = f"{r['peak_mem_gb'] / lean['peak_mem_gb']:.2f}x" if lean else "-"
+            lines.append(f"| {batch} | {_QLORA_IMPLS.get(r['impl'], r['impl'])} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['peak_mem_gb']:.2f} | {speed} | {memory} |")
+    names = {"speed_vs_fastest_peft_bnb": "ours (faster of eager and graph) vs fastest Trainer",
+             "memory_vs_peft_bnb": "memory vs leanest Trainer"}
+    if any(d["checks"].get(k) for k in d["checks"]) and any(r["impl"].startswith("hf") for r in d["rows"]):
+        lines += _checks_table([d], names, ("memory_vs_peft_bnb",), d["targets"])
+    return lines + [""]
+
+
+def _nf4_exact(d: dict) -> list[str]:
+    rows = d["exact"]
+    return [f"**The format against bitsandbytes' CUDA kernels** ({_short_gpu(d['gpu'])}; random bf16 weights of std "
+            "0.02 at each Llama-3.1-8B projection's shape, quantised by `kernels.nf4.quantize_nf4` and by "
+            "`bitsandbytes.functional.quantize_4bit(blocksize=64, quant_type=\"nf4\", compress_statistics=True)`):",
+            "", "| part | shape | values | packed bytes differing | block codes differing | group maxima differing "
+            "| offset equal | dequantised bf16 values differing |", "|---|---|---|---|---|---|---|---|",
+            *[f"| {r['part']} | {r['shape'][0]} x {r['shape'][1]} | {r['values']:,} | {r['packed_bytes_differing']} | "
+              f"{r['block_codes_differing']} of {r['blocks']:,} | {r['group_maxima_differing']} | "
+              f"{'yes' if r['offset_equal'] else '**no**'} | {r['dequantised_values_differing']} |" for r in rows], ""]
+
+
+def _nf4_kernels(d: dict) -> list[str]:
+    k = d["kernels"]
+    lines = [f"**Dequantisation at one Llama-3.1-8B layer** ({_short_gpu(d['gpu'])}; kernel time after an L2 flush; "
+             "bytes: 0.5 read and 2 written a value, plus the maxima; copy bandwidth "
+             f"{k['copy_bandwidth_gbs']:.0f} GB/s measured in the same run), against the bf16 GEMM that reads the "
+             "weight:", "",
+             "| projection | weight | ours, ms | % of copy bandwidth | bitsandbytes `dequantize_4bit`, ms "
+             "| GEMM at 2048 tokens, ms | dequantisation / that GEMM | GEMM at 8192 tokens, ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in k["rows"]:
+        lines.append(f"| {r['projection']} | {r['shape'][0]} x {r['shape'][1]} | {r['ours_ms']:.3f} | "
+                     f"{100 * r['ours_frac_copy_bw']:.0f}% | {r['bnb_ms']:.3f} | {r['gemm_2048_ms']:.3f} | "
+                     f"{r['ours_ms'] / r['gemm_2048_ms']:.0%} | {r['gemm_8192_ms']:.3f} |")
+    return lines + [""]
+
+
+def _nf4_load(d: dict) -> list[str]:
+    ld = d["load"]
+    lines = [f"**Loading** ({_short_gpu(d['gpu'])}): `LigerLlama.from_hf(base, dtype=\"bf16\", device=\"cuda\", "
+             f"quantize=...)` of a {ld['checkpoint_gb']:.1f} GB bf16 checkpoint of {_name(ld['checkpoint'])}'s shape, "
+             "each load in a process of its own. Host memory: the peak growth of the process's anonymous memory "
+             "(what the loader allocated) and of `ru_maxrss` (which also counts the checkpoint's memory-mapped pages "
+             "while they are mapped: page cache the kernel reclaims under pressure).", "",
+             "| quantize | seconds | host anonymous memory, peak growth (GB) | host `ru_maxrss` growth (GB) | GPU peak "
+             "(GB) | weights on the GPU (GB) |", "|---|---|---|---|---|---|"]
+    for q, r in ld["rows"].items():
+        if "error" in r:
+            lines.append(f"| {q} | failed | | | | |")
+            continue
+        lines.append(f"| {q} | {r['seconds']:.1f} | {r.get('host_anonymous_peak_growth_gb', float('nan')):.2f} | "
+                     f"{r['host_peak_growth_gb']:.2f} | {r['gpu_peak_gb']:.2f} | {r['weights_gb']:.2f} |")
+    return lines + [""]
+
+
+def qlora() -> str:
+    """bench_train's QLoRA files (``qlora-lora-*``) and bench_nf4's (``nf4-*``)."""
+    training, nf4 = _files("qlora-lora"), _files("nf4")
+    if not training and not nf4:
+        return "No results committed yet."
+    lines = []
+    for d in sorted(training, key=lambda d: d["_file"]):
+        lines += _qlora_training(d)
+    for part, table in (("exact", _nf4_exact), ("kernels", _nf4_kernels), ("load", _nf4_load)):
+        for d in sorted((d for d in nf4 if part in d), key=lambda d: d["_file"]):
+            lines += table(d)
+    return "\n".join(lines + _sources(training + nf4)[1:])
+
+
 # ------------------------------------------------------------------------------------------ mixture of experts
 def moe_kernels_table(d: dict) -> str:
     """bench_moe's rows: the data movement ops against eager PyTorch, the grouped GEMMs against a dense GEMM of the
@@ -962,7 +1059,7 @@ def blocks() -> dict[str, str]:
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
             "decode": _newest("decode", decode_table), "preference": _newest("preference", preference_table),
-            "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table), "fp8": fp8()}
+            "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table), "fp8": fp8(), "qlora": qlora()}
 
 
 def render(text: str, names: tuple[str, ...], generated: dict[str, str], path: str = "") -> str:

@@ -153,3 +153,18 @@ def test_an_nf4_weight_refuses_writes_and_casts_but_moves_and_detaches():
 def test_bad_quantisation_requests_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         bad()
+
+
+def test_a_gpu_without_bf16_triton_support_is_refused_by_name(monkeypatch):
+    """NF4 (and FP8) name the GPU they cannot run on, from its compute capability."""
+    from kernels.fp8 import fp8_supported
+    from kernels.nf4 import nf4_supported
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    cuda = torch.device("cuda")
+    assert "Tesla T4 is 7.5" in nf4_supported(cuda) and "8.0" in nf4_supported(cuda)
+    assert "Tesla T4 is 7.5" in fp8_supported(cuda)
+    assert nf4_supported(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert nf4_supported(cuda) is None and "8.9" in fp8_supported(cuda)

@@ -14,6 +14,7 @@ import torch
 
 from ligermodels import AutoLigerModel, LigerLlama
 from ligermodels.lora import add_lora, load_lora, merge_lora, save_lora
+from ligermodels.train import parse_args
 from tests.test_train import _cut_back_to_step_2, _flags, _metrics, _rel, _train
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes (test-only) is the QLoRA reference")
@@ -140,21 +141,25 @@ def test_lora_on_an_nf4_base_trains_as_on_its_dequantised_weights(checkpoint):
 
 @pytest.fixture(scope="module")
 def runs_qlora(checkpoint, data, workdir):
-    """--quantize nf4 with LoRA (rank 4, all seven projections), checkpoints at steps 2 and 4 and --merge, and the
-    run resumed from its step-2 checkpoint."""
-    flags = ["--quantize", "nf4", "--lora-rank", "4", "--lora-alpha", "8", "--save-every", "2", "--merge"]
+    """--quantize nf4 with LoRA (rank 4, all seven projections): one rank with grad-accum 2, checkpoints at steps
+    2 and 4 and --merge; the run resumed from its step-2 checkpoint; two ranks with grad-accum 1 (the same global
+    batches)."""
+    flags = ["--quantize", "nf4", "--lora-rank", "4", "--lora-alpha", "8", "--save-every", "2"]
     out = workdir / "qlora"
-    res = _train([*_flags(checkpoint, data, out), *flags])
+    res = _train([*_flags(checkpoint, data, out), *flags, "--grad-accum", "2", "--merge"])
     assert res.returncode == 0, res.stderr[-4000:]
     resumed = _cut_back_to_step_2(out, workdir / "qlora-resumed")
-    res = _train([*_flags(checkpoint, data, resumed), *flags, "--resume"])
+    res = _train([*_flags(checkpoint, data, resumed), *flags, "--grad-accum", "2", "--merge", "--resume"])
     assert res.returncode == 0 and "(step 2)" in res.stdout, res.stderr[-4000:]
-    return out, resumed
+    two = workdir / "qlora-two"
+    res = _train([*_flags(checkpoint, data, two), *flags, "--grad-accum", "1"], nproc=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out, resumed, two
 
 
 def test_qlora_training_exports_an_adapter_peft_loads_on_bitsandbytes_and_a_merged_bf16_model(runs_qlora,
                                                                                               checkpoint):
-    out, resumed = runs_qlora
+    out, resumed, _ = runs_qlora
     metrics = _metrics(out)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     final = out / "final"
@@ -171,15 +176,29 @@ def test_qlora_training_exports_an_adapter_peft_loads_on_bitsandbytes_and_a_merg
         (final / "adapter_model.safetensors").read_bytes()
 
 
+def test_qlora_on_two_ranks_keeps_the_4bit_base_whole_and_matches_one_rank(runs_qlora, checkpoint):
+    """Two ranks (data parallel over the whole 4-bit base, FSDP2 sharding the adapters and the rest) give the
+    one-rank run's losses on the same global batches, and an adapter that loads onto the 4-bit base."""
+    one, _, two = runs_qlora
+    for a, b in zip(_metrics(one), _metrics(two), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
+    adapted = load_lora(AutoLigerModel.from_hf(checkpoint, dtype=torch.float32, quantize="nf4"), str(two / "final"))
+    reference = load_lora(AutoLigerModel.from_hf(checkpoint, dtype=torch.float32, quantize="nf4"), str(one / "final"))
+    ids = _ids(adapted.config.vocab_size)
+    with torch.no_grad():
+        assert _rel(adapted(ids), reference(ids)) <= 1e-4
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--quantize", "nf4"], "--quantize nf4 freezes the base in 4 bits: it trains LoRA adapters on it and needs "
                             "--lora-rank"),
     (["--quantize", "nf4", "--lora-rank", "4", "--fp8", "rowwise"], "--quantize nf4 with --fp8: not supported"),
     (["--quantize", "nf8", "--lora-rank", "4"], "--quantize"),
 ])
-def test_bad_quantize_flags_are_refused_by_name(checkpoint, data, workdir, flags, message):
-    res = _train([*_flags(checkpoint, data, workdir / "bad-q"), *flags])
-    assert res.returncode != 0 and message in res.stderr, res.stderr[-2000:]
+def test_bad_quantize_flags_are_refused_by_name(capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", *flags])
+    assert message in capsys.readouterr().err
 
 
 def test_a_checkpoint_stored_quantised_is_refused_naming_its_scheme(checkpoint, workdir):
@@ -202,3 +221,22 @@ def test_nf4_refuses_a_mixture_of_experts_model():
         model = LigerQwen3Moe(cfg)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         quantize_model(model)
+
+
+@pytest.mark.parametrize("case", ["phi3_default", "gemma2_untied_mha", "glm4_bias_untied"])
+def test_every_family_loads_in_nf4_as_transformers_and_bitsandbytes_quantise_it(case, tmp_path):
+    """Families with biases, fused Hugging Face projections (Phi-3's qkv_proj and gate_up_proj, GLM-4's
+    gate_up_proj: one part each), offset norms and soft-capping: our NF4 model's logits against transformers'
+    bitsandbytes 4-bit model of the same checkpoint (its dequantised weights in transformers' dense model on the CPU,
+    as in the PEFT test), and far from the dense logits."""
+    from tests.test_models import CASES, make_hf_checkpoint
+
+    cls_name, kwargs = CASES[case]
+    make_hf_checkpoint((cls_name, {**kwargs, "intermediate_size": 128}), str(tmp_path))
+    ours = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32, quantize="nf4")
+    twin = _dequantised_twin(_bnb_model(str(tmp_path), torch.float32), str(tmp_path), torch.float32)
+    ids = _ids(ours.config.vocab_size)
+    with torch.no_grad():
+        mine = ours(ids)
+        assert _rel(mine, twin(ids).logits) <= 2e-3
+        assert _rel(mine, AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float32)(ids)) > 1e-2

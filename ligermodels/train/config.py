@@ -124,7 +124,8 @@ class TrainConfig:
                      ("none", "rowwise", "rowwise-e5m2", "rowwise-gw-bf16"))
     quantize: str = _flag("none", "LoRA on a 4-bit base (QLoRA): nf4 stores the frozen decoder projections in NF4 "
                                   "with double-quantised block maxima (bitsandbytes' format; kernels.nf4), quantised "
-                                  "on the device while loading; the adapters, embeddings, norms and head as without",
+                                  "on the device while loading; the adapters, embeddings, norms and head as without. "
+                                  "On several ranks each keeps the whole 4-bit base (FSDP2 shards the rest)",
                           ("none", "nf4"))
     attention: str = _flag("documents", "documents: a token attends within its own document of the packed row; "
                                         "causal: across the whole row (as transformers' SDPA path without position "

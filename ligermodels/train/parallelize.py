@@ -26,6 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from checkpoints_tools import CheckpointError
 from kernels import AdamW
+from kernels.nf4 import NF4Tensor
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.config import DecoderConfig
 from ligermodels.families import UnsupportedConfigError
@@ -173,12 +174,11 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
 
 
 def build_quantized_model(inputs: Inputs, config: TrainConfig, world: int, device: torch.device) -> CausalLM:
-    """QLoRA on one rank: the base read from the checkpoint straight onto ``device`` in the compute dtype, its
-    decoder projections quantised there one weight at a time (``from_hf(..., quantize=...)``), or drawn from
-    ``--seed`` and quantised; the adapters drawn on the host from ``--seed`` (the same as a bf16 LoRA run's) and
-    kept fp32 on ``device``."""
-    if world > 1:
-        raise TrainError(f"--quantize {config.quantize} trains on one GPU: the 4-bit base is not sharded by FSDP2")
+    """QLoRA: every rank reads the checkpoint straight onto its ``device`` in the compute dtype, its decoder
+    projections quantised there one weight at a time (``from_hf(..., quantize=...)``; the same bits on every rank),
+    or draws the init from ``--seed`` and quantises it; the adapters are drawn on the host from ``--seed`` (the same
+    as a bf16 LoRA run's) and kept fp32 on ``device``. Several ranks: data parallel over the 4-bit base, which every
+    rank keeps whole; FSDP2 shards the rest (adapters, embeddings, norms, head) as :func:`shard` does."""
     dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
     try:
         if inputs.weights_dir is not None:
@@ -196,6 +196,8 @@ def build_quantized_model(inputs: Inputs, config: TrainConfig, world: int, devic
     for m in lora_modules(model).values():
         m.lora_A, m.lora_B = (torch.nn.Parameter(p.detach().to(device)) for p in (m.lora_A, m.lora_B))
     apply_activation_checkpointing(model, config.ac)
+    if world > 1:
+        shard(model, config, world, device)
     model.init_buffers()
     return model.train()
 
@@ -258,17 +260,19 @@ def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if config.dtype == "bf16" else None,
                               reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # a 4-bit (NF4) base stays whole on every rank (FSDP2 does not shard the tensor subclass); the rest is sharded
+    ignored = {p for p in model.parameters() if isinstance(p, NF4Tensor)} or None
     layers = list(model.layers)
     for i, layer in enumerate(layers):
         reshard = {"default": i < len(layers) - 1, "always": True, "never": False}[config.reshard_after_forward]
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
     units = layers
     if model.head is not None:
         fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
         for method in ("loss", "logprobs"):  # the loss head calls these, not forward()
             register_fsdp_forward_method(model.head, method)
         units = [*layers, model.head]
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
     for method in ("loss", "token_logprobs"):  # called instead of forward()
         register_fsdp_forward_method(model, method)
     if config.prefetch:
