@@ -26,6 +26,7 @@ tensors for ``torch.compile`` (the dequantisation is the custom op ``ligermodels
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -291,3 +292,42 @@ def nf4_supported(device: torch.device) -> str | None:
         return (f"the NF4 kernels need a GPU of compute capability 8.0 or newer (Ampere, Hopper); "
                 f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
     return None
+
+
+# --------------------------------------------------------------------------------- FSDP2 storage
+#: The order and byte alignment of an NF4 weight's inner tensors in one flat buffer (:func:`to_storage`).
+_STORAGE = (("starts", 8), ("absmax2", 4), ("offset", 4), ("tables", 4), ("qabs", 1), ("packed", 1))
+
+
+def to_storage(t: NF4Tensor) -> tuple[torch.Tensor, tuple]:
+    """An NF4 weight as one flat bf16 tensor holding its inner tensors' bytes (each aligned to its element size),
+    and the layout :func:`from_storage` reads it back with. FSDP2 shards and all-gathers a plain tensor: bf16, so
+    that its mixed-precision cast (to bf16, or none) leaves the bytes as they are (bitsandbytes' ``quant_storage``
+    serves FSDP + QLoRA the same way)."""
+    pieces, layout, offset = [], [], 0
+    for name, align in _STORAGE:
+        inner = getattr(t, name).contiguous()
+        pad = -offset % align
+        pieces.append(torch.zeros(pad, dtype=torch.uint8, device=inner.device))
+        offset += pad
+        raw = inner.view(-1).view(torch.uint8)
+        layout.append((name, inner.dtype, tuple(inner.shape), offset))
+        pieces.append(raw)
+        offset += raw.numel()
+    pieces.append(torch.zeros(offset % 2, dtype=torch.uint8, device=t.device))
+    return torch.cat(pieces).view(torch.bfloat16), (tuple(t.shape), t.dtype, tuple(layout))
+
+
+def from_storage(buffer: torch.Tensor, layout: tuple) -> NF4Tensor:
+    """The NF4 weight whose inner tensors are views of ``buffer`` (:func:`to_storage`'s; no copy)."""
+    shape, dtype, pieces = layout
+    raw = buffer.view(torch.uint8)
+    inner = {}
+    for name, inner_dtype, inner_shape, offset in pieces:
+        size = inner_dtype.itemsize * math.prod(inner_shape)
+        piece = raw[offset:offset + size]
+        try:
+            inner[name] = piece.view(inner_dtype).view(inner_shape)
+        except RuntimeError:  # the buffer itself not aligned to the dtype: a copy
+            inner[name] = piece.clone().view(inner_dtype).view(inner_shape)
+    return NF4Tensor(*(inner[k] for k in _INNER), shape, dtype)

@@ -18,6 +18,8 @@ from ligermodels.train import parse_args
 from tests.test_train import _cut_back_to_step_2, _flags, _metrics, _rel, _train
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes (test-only) is the QLoRA reference")
+# the PyTorch path: the kernels themselves are test_nf4's (the interpreter would run them here for minutes)
+pytestmark = pytest.mark.usefixtures("reference_kernels")
 
 
 def _bnb_model(path: str, dtype: torch.dtype, device: str = "cpu"):
@@ -143,7 +145,7 @@ def test_lora_on_an_nf4_base_trains_as_on_its_dequantised_weights(checkpoint):
 def runs_qlora(checkpoint, data, workdir):
     """--quantize nf4 with LoRA (rank 4, all seven projections): one rank with grad-accum 2, checkpoints at steps
     2 and 4 and --merge; the run resumed from its step-2 checkpoint; two ranks with grad-accum 1 (the same global
-    batches)."""
+    batches) and full activation checkpointing (the recomputed forward reads the regathered 4-bit bytes)."""
     flags = ["--quantize", "nf4", "--lora-rank", "4", "--lora-alpha", "8", "--save-every", "2"]
     out = workdir / "qlora"
     res = _train([*_flags(checkpoint, data, out), *flags, "--grad-accum", "2", "--merge"])
@@ -152,7 +154,7 @@ def runs_qlora(checkpoint, data, workdir):
     res = _train([*_flags(checkpoint, data, resumed), *flags, "--grad-accum", "2", "--merge", "--resume"])
     assert res.returncode == 0 and "(step 2)" in res.stdout, res.stderr[-4000:]
     two = workdir / "qlora-two"
-    res = _train([*_flags(checkpoint, data, two), *flags, "--grad-accum", "1"], nproc=2)
+    res = _train([*_flags(checkpoint, data, two), *flags, "--grad-accum", "1", "--ac", "full", "--merge"], nproc=2)
     assert res.returncode == 0, res.stderr[-4000:]
     return out, resumed, two
 
@@ -176,17 +178,53 @@ def test_qlora_training_exports_an_adapter_peft_loads_on_bitsandbytes_and_a_merg
         (final / "adapter_model.safetensors").read_bytes()
 
 
-def test_qlora_on_two_ranks_keeps_the_4bit_base_whole_and_matches_one_rank(runs_qlora, checkpoint):
-    """Two ranks (data parallel over the whole 4-bit base, FSDP2 sharding the adapters and the rest) give the
-    one-rank run's losses on the same global batches, and an adapter that loads onto the 4-bit base."""
+def test_fsdp2_shards_the_4bit_base_as_bf16_storage_and_computes_the_same_loss(checkpoint, data, workdir):
+    """shard() keeps each NF4 weight as a flat bf16 Parameter of its bytes (``weight_nf4``), sharded by FSDP2 like any
+    frozen weight; the layer's hook reads the gathered bytes back as the NF4 weight: the same loss and adapter
+    gradients as the unsharded model (one rank, gloo)."""
+    from torch.distributed.tensor import DTensor
+
+    from ligermodels.train.data import load_inputs
+    from ligermodels.train.parallelize import build_quantized_model, shard
+
+    args = parse_args([*_flags(checkpoint, data, workdir / "qlora-shard"), "--quantize", "nf4", "--lora-rank", "4"])
+    torch.distributed.init_process_group("gloo", init_method=f"file://{workdir / 'qlora-shard.store'}", rank=0,
+                                         world_size=1)
+    try:
+        inputs = load_inputs(args)
+        plain, sharded = (build_quantized_model(inputs, args, 1, torch.device("cpu")) for _ in range(2))
+        shard(sharded, args, 1, torch.device("cpu"))
+        storage = sharded.layers[0].attn.qkv.weight_nf4
+        assert isinstance(storage, DTensor) and storage.dtype == torch.bfloat16 and storage.dim() == 1
+        assert "weight" not in dict(sharded.layers[0].attn.qkv.named_parameters(recurse=False))
+        ids = _ids(plain.config.vocab_size)
+        losses = [m.loss(ids, ids) for m in (plain, sharded)]
+        for loss in losses:
+            loss.backward()
+        assert losses[0].item() == losses[1].item()
+        grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (plain, sharded)]
+        assert grads[0].keys() == grads[1].keys()
+        for name, g in grads[0].items():
+            other = grads[1][name]
+            assert torch.equal(g, other.full_tensor() if isinstance(other, DTensor) else other), name
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_qlora_on_two_ranks_matches_one_rank(runs_qlora, checkpoint):
+    """Two ranks (FSDP2 sharding the 4-bit base's bytes, the adapters and the rest) give the one-rank run's losses
+    on the same global batches, an adapter that loads onto the 4-bit base, and a merged checkpoint of the gathered
+    4-bit base plus the adapters."""
     one, _, two = runs_qlora
     for a, b in zip(_metrics(one), _metrics(two), strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
     adapted = load_lora(AutoLigerModel.from_hf(checkpoint, dtype=torch.float32, quantize="nf4"), str(two / "final"))
     reference = load_lora(AutoLigerModel.from_hf(checkpoint, dtype=torch.float32, quantize="nf4"), str(one / "final"))
+    merged = AutoLigerModel.from_hf(str(two / "merged"), dtype=torch.float32)  # the gathered 4-bit bytes, dequantised
     ids = _ids(adapted.config.vocab_size)
     with torch.no_grad():
         assert _rel(adapted(ids), reference(ids)) <= 1e-4
+        assert _rel(merged(ids), adapted(ids)) <= 1e-5
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -44,6 +44,7 @@ from ligermodels.lora import export_lora
 from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig, TrainError
 from ligermodels.train.data import Inputs
+from ligermodels.train.parallelize import nf4_state
 
 
 def complete_checkpoints(out: str) -> list[tuple[int, str]]:
@@ -319,6 +320,7 @@ def export_hf(model: CausalLM, inputs: Inputs, config: TrainConfig, rank: int) -
     out = os.path.join(config.out, "final")
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
+        state = nf4_state(state, model)  # a sharded 4-bit base: its gathered bytes read back as NF4 weights
         dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
         if config.lora_rank:  # the adapter in PEFT's format; --merge: also the merged model, in --dtype
             export_lora(model, state, out, tokenizer_from=inputs.tokenizer_dir)

@@ -125,7 +125,7 @@ class TrainConfig:
     quantize: str = _flag("none", "LoRA on a 4-bit base (QLoRA): nf4 stores the frozen decoder projections in NF4 "
                                   "with double-quantised block maxima (bitsandbytes' format; kernels.nf4), quantised "
                                   "on the device while loading; the adapters, embeddings, norms and head as without. "
-                                  "On several ranks each keeps the whole 4-bit base (FSDP2 shards the rest)",
+                                  "On several ranks FSDP2 shards the 4-bit base too",
                           ("none", "nf4"))
     attention: str = _flag("documents", "documents: a token attends within its own document of the packed row; "
                                         "causal: across the whole row (as transformers' SDPA path without position "

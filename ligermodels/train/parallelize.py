@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from checkpoints_tools import CheckpointError
 from kernels import AdamW
-from kernels.nf4 import NF4Tensor
+from kernels.nf4 import NF4Tensor, from_storage, to_storage
 from ligermodels.blocks import MLP, RMSNorm
 from ligermodels.config import DecoderConfig
 from ligermodels.families import UnsupportedConfigError
@@ -177,8 +177,8 @@ def build_quantized_model(inputs: Inputs, config: TrainConfig, world: int, devic
     """QLoRA: every rank reads the checkpoint straight onto its ``device`` in the compute dtype, its decoder
     projections quantised there one weight at a time (``from_hf(..., quantize=...)``; the same bits on every rank),
     or draws the init from ``--seed`` and quantises it; the adapters are drawn on the host from ``--seed`` (the same
-    as a bf16 LoRA run's) and kept fp32 on ``device``. Several ranks: data parallel over the 4-bit base, which every
-    rank keeps whole; FSDP2 shards the rest (adapters, embeddings, norms, head) as :func:`shard` does."""
+    as a bf16 LoRA run's) and kept fp32 on ``device``. Several ranks: each rank holds the whole 4-bit base until
+    :func:`shard` shards it with the rest (its bytes as a bf16 tensor, :func:`nf4_to_storage`)."""
     dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
     try:
         if inputs.weights_dir is not None:
@@ -260,19 +260,21 @@ def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if config.dtype == "bf16" else None,
                               reduce_dtype=torch.float32, cast_forward_inputs=False)
-    # a 4-bit (NF4) base stays whole on every rank (FSDP2 does not shard the tensor subclass); the rest is sharded
-    ignored = {p for p in model.parameters() if isinstance(p, NF4Tensor)} or None
+    quantized = nf4_to_storage(model)
     layers = list(model.layers)
     for i, layer in enumerate(layers):
         reshard = {"default": i < len(layers) - 1, "always": True, "never": False}[config.reshard_after_forward]
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        mine = [m for m in layer.modules() if m in quantized]
+        if mine:  # after FSDP2's own hook (registered first) has gathered the layer's weights
+            layer.register_forward_pre_hook(lambda _module, _args, mine=mine: _nf4_views(mine))
     units = layers
     if model.head is not None:
         fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
         for method in ("loss", "logprobs"):  # the loss head calls these, not forward()
             register_fsdp_forward_method(model.head, method)
         units = [*layers, model.head]
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     for method in ("loss", "token_logprobs"):  # called instead of forward()
         register_fsdp_forward_method(model, method)
     if config.prefetch:
@@ -280,6 +282,42 @@ def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device
         for i, unit in enumerate(units):
             unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + n])
             unit.set_modules_to_backward_prefetch(units[max(0, i - n):i][::-1])
+
+
+def nf4_to_storage(model: torch.nn.Module) -> set[torch.nn.Module]:
+    """Each projection holding an NF4 weight (``weight``, a :class:`kernels.nf4.NF4Tensor` Parameter) keeps it instead
+    as ``weight_nf4``, one flat bf16 Parameter of its bytes (:func:`kernels.nf4.to_storage`), which FSDP2 shards and
+    gathers like any frozen weight, and its layout as ``nf4_layout``; ``weight`` becomes the NF4 view of that
+    storage, which :func:`_nf4_views` builds again each time the layer's weights are gathered. Returns those
+    modules."""
+    quantized = set()
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if isinstance(weight, NF4Tensor):
+            storage, module.nf4_layout = to_storage(weight)
+            del module.weight
+            module.weight_nf4 = torch.nn.Parameter(storage, requires_grad=False)
+            quantized.add(module)
+    _nf4_views(quantized)
+    return quantized
+
+
+def _nf4_views(modules) -> None:
+    for module in modules:
+        module.weight = from_storage(module.weight_nf4, module.nf4_layout)
+
+
+def nf4_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A full state dict of a model sharded by :func:`shard` with its NF4 storage (``*.weight_nf4``) read back as
+    NF4 ``*.weight`` tensors (what :func:`ligermodels.lora.merge_lora_state` dequantises)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".weight_nf4"):
+            owner = name[:-len(".weight_nf4")]
+            out[f"{owner}.weight"] = from_storage(tensor, model.get_submodule(owner).nf4_layout)
+        else:
+            out[name] = tensor
+    return out
 
 
 # ------------------------------------------------------------------------------------------ optimiser
