@@ -1,4 +1,4 @@
-"""NF4 weights: QLoRA's 4-bit NormalFloat storage of a frozen projection, dequantised tile by tile for its GEMMs.
+"""NF4 weights: QLoRA's 4-bit NormalFloat storage of a frozen projection, dequantised by one pass before each GEMM.
 
 A weight W (N, K) is stored as one or more *parts* (the Hugging Face tensors it is made of: q, k and v of a fused
 q/k/v projection), each quantised on its own exactly as bitsandbytes' ``quantize_4bit(..., blocksize=64,
@@ -21,7 +21,8 @@ parameter.
 ``x @ W``, a Triton op) first dequantises it (:func:`dequantize_nf4`, one Triton pass: 0.5 byte read and 2 written
 an element) into a temporary that the op consumes, so no bf16 copy outlives the GEMM that reads it and autograd
 saves the 4-bit tensor, not a dense one. Ops that would write into it are refused. It flattens into its inner
-tensors for ``torch.compile`` (the dequantisation is the custom op ``ligermodels::nf4_dequantize``).
+tensors for ``torch.compile`` (the dequantisation is the custom op ``ligermodels::nf4_dequantize``). Under FSDP2 its
+bytes travel as one flat bf16 tensor (:func:`to_storage`, :func:`from_storage`).
 """
 
 from __future__ import annotations
