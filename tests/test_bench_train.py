@@ -11,7 +11,9 @@ same base and rows (their first loss is ours).
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
+import math
 import os
 
 import pytest
@@ -254,6 +256,29 @@ def test_cli_lora_run_on_the_base_and_the_in_process_step_agree(tiny, reference_
         assert all(p.grad is None for p in tries.model.parameters())  # the failed tries left no gradients
     finally:
         tries.close()
+
+
+def test_qlora_tries_build_the_4bit_base_and_train_its_adapters(tiny, reference_kernels):
+    """``ligermodels-qlora``'s --max-batch tries: the CLI flags with ``--quantize nf4`` (``--cuda-graph`` for the
+    graph impl), the model built as the trainer builds it (NF4 projections, fp32 adapters), steps that train."""
+    from kernels.nf4 import NF4Tensor
+
+    args, base, data = tiny["args"], tiny["base"], tiny["data"]
+    cmd = bt.train_command(args, "ligermodels-qlora-graph", base, data, BATCH, "o")
+    assert cmd[cmd.index("--quantize") + 1] == "nf4" and "--cuda-graph" in cmd and "--lora-rank" in cmd
+    tries = bt.LigermodelsTries(args, base, data, "ligermodels-qlora")
+    try:
+        assert isinstance(tries.model.layers[0].mlp.down.weight, NF4Tensor)
+        adapters = sum(p.numel() for p in tries.model.parameters() if p.requires_grad)
+        assert {p.dtype for p in tries.model.parameters() if p.requires_grad} == {torch.float32}
+        tries(BATCH)
+        assert len(tries.losses) == bt.MAX_BATCH_STEPS and all(math.isfinite(x) for x in tries.losses)
+    finally:
+        tries.close()
+    if importlib.util.find_spec("bitsandbytes"):  # their side: the same adapters on a bitsandbytes 4-bit base
+        theirs = bt.peft_model(base, "cpu", four_bit=True)
+        kinds = {type(m).__name__ for m in theirs.modules()}
+        assert "Linear4bit" in kinds and sum(p.numel() for p in theirs.parameters() if p.requires_grad) == adapters
 
 
 def test_peft_model_and_trainer_on_the_same_base(tiny, reference_kernels):
