@@ -36,6 +36,18 @@ def use_triton(x: torch.Tensor) -> bool:
     return INTERPRET and x.device.type == "cpu"
 
 
+def needs_capability(device: torch.device, least: tuple[int, int], what: str) -> str | None:
+    """None when ``device`` is not CUDA or has compute capability ``least`` or newer; else one line saying that
+    ``what`` needs it and what this GPU has."""
+    if device.type != "cuda":
+        return None
+    have = torch.cuda.get_device_capability(device)
+    if tuple(have) >= least:
+        return None
+    return (f"{what} needs a GPU of compute capability {least[0]}.{least[1]} or newer; "
+            f"{torch.cuda.get_device_name(device)} is {have[0]}.{have[1]}")
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a reference computes in: float32, or float64 when the input is float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

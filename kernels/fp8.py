@@ -34,7 +34,16 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kernels._common import LIB, as_rows, check_floating, check_same_device, eager_op, row_block, use_triton
+from kernels._common import (
+    LIB,
+    as_rows,
+    check_floating,
+    check_same_device,
+    eager_op,
+    needs_capability,
+    row_block,
+    use_triton,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 #: Largest finite value of each FP8 format.
@@ -355,10 +364,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 def fp8_supported(device: torch.device) -> str | None:
     """None when FP8 GEMMs run on ``device``; else why not (CUDA before compute capability 8.9 has no FP8 tensor
     cores). The CPU runs them dequantised (tests, the interpreter)."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        return (f"FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
-                f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
-    return None
+    return needs_capability(device, (8, 9), "FP8 (Ada, Hopper)")

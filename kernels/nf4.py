@@ -36,7 +36,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 from torch.utils._pytree import tree_map_only
 
-from kernels._common import LIB, eager_op, use_triton
+from kernels._common import LIB, eager_op, needs_capability, use_triton
 
 #: QLoRA's NF4 values (the quantiles of a standard normal, rescaled to [-1, 1], with an exact zero), as bitsandbytes
 #: stores them.
@@ -222,7 +222,7 @@ class NF4Tensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _KEEP:
-            return args[0]._map(lambda t: func(t))
+            return args[0]._map(func)
         if func is _aten._to_copy.default:
             dtype = kwargs.get("dtype")
             if dtype is None or dtype == args[0].dtype:
@@ -285,14 +285,8 @@ def dequantize_nf4(weight: torch.Tensor, dtype: torch.dtype | None = None) -> to
 
 def nf4_supported(device: torch.device) -> str | None:
     """None when NF4 weights run on ``device``; else why not: the dequantisation kernel writes bf16, which Triton
-    supports on CUDA from compute capability 8.0 (Ampere). The CPU runs the PyTorch reference."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return (f"the NF4 kernels need a GPU of compute capability 8.0 or newer (Ampere, Hopper); "
-                f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
-    return None
+    supports on CUDA from compute capability 8.0. The CPU runs the PyTorch reference."""
+    return needs_capability(device, (8, 0), "the NF4 kernels (Ampere, Hopper)")
 
 
 # --------------------------------------------------------------------------------- FSDP2 storage

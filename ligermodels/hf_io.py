@@ -67,13 +67,12 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
 
     A hub repo's config.json is fetched and checked (family, ``expect``) before its weights download.
     """
-    if quantize not in (None, "nf4"):
-        raise ValueError(f"from_hf: quantize must be None or 'nf4', got {quantize!r}")
+    if quantize is not None:
+        _check_quantize(quantize, None, "from_hf")
     directory = resolve(repo_or_dir, revision, check=lambda d: _checked_config(d, repo_or_dir, expect))
     hf_cfg, family, config = _checked_config(directory, repo_or_dir, expect)
-    if quantize and config.num_experts:
-        raise CheckpointError(f"{repo_or_dir!r}: quantize={quantize!r} covers dense models; a {family.model_type} "
-                              "model has mixture-of-experts layers")
+    if quantize is not None:
+        _check_quantize(quantize, config, repr(repo_or_dir), CheckpointError)
     try:
         cfg_dtype = to_dtype(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")) if dtype is None else None
     except ValueError as e:
@@ -121,12 +120,11 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
             for name, hf_name, offset, size in pieces:
                 if name not in quantized:
                     params[name][offset:offset + size].copy_(reader.tensor(hf_name))
-            for name in quantized:
+            for name in quantized:  # one weight at a time: its parts read, cast on the device, quantised
                 parts = [p for p in pieces if p[0] == name]
                 dense = torch.cat([reader.tensor(p[1]).to(device, dtype) for p in parts])
-                weight = quantize_nf4(dense, [p[3] for p in parts])
+                _set_weight(model, name, quantize_nf4(dense, [p[3] for p in parts]))
                 del dense
-                model.get_submodule(name.rpartition(".")[0]).weight = torch.nn.Parameter(weight, requires_grad=False)
     model.init_buffers()
     model.source_dir = directory
     return model.eval()
@@ -136,6 +134,21 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
 QUANTIZED = re.compile(r"layers\.\d+\.(attn\.(qkv|o)|mlp\.(gate_up|down))\.weight")
 
 
+def _check_quantize(quantize: str, config: DecoderConfig | None, what: str,
+                    error: type[Exception] = ValueError) -> None:
+    """Refuse a scheme other than "nf4", and (given the config) a mixture-of-experts model, naming ``what``."""
+    if quantize != "nf4":
+        raise ValueError(f"{what}: quantize must be None or 'nf4', got {quantize!r}")
+    if config is not None and config.num_experts:
+        raise error(f"{what}: quantize={quantize!r} covers dense models; this {config.model_type} model has "
+                    "mixture-of-experts layers")
+
+
+def _set_weight(model: CausalLM, name: str, tensor: torch.Tensor) -> None:
+    """The parameter ``name`` (``...weight``) replaced by ``tensor``, frozen."""
+    model.get_submodule(name.rpartition(".")[0]).weight = torch.nn.Parameter(tensor, requires_grad=False)
+
+
 def _make_room(model: CausalLM, quantize: str | None) -> set[str]:
     """The names of the parameters ``quantize`` stores quantised (none without it), each replaced by an empty
     placeholder so that allocating the model does not allocate them dense."""
@@ -143,8 +156,7 @@ def _make_room(model: CausalLM, quantize: str | None) -> set[str]:
         return set()
     names = {n for n, _ in model.named_parameters() if QUANTIZED.fullmatch(n)}
     for name in names:
-        model.get_submodule(name.rpartition(".")[0]).weight = torch.nn.Parameter(torch.empty(0, device="meta"),
-                                                                                 requires_grad=False)
+        _set_weight(model, name, torch.empty(0, device="meta"))
     return names
 
 
@@ -152,19 +164,15 @@ def quantize_model(model: CausalLM, quantize: str = "nf4") -> CausalLM:
     """Store ``model``'s decoder-layer projections in NF4 in place (as ``from_hf(..., quantize="nf4")`` loads them,
     each fused projection quantised part by part, its parts the Hugging Face tensors it is saved as); returns it.
     The weights are quantised from their values in their current dtype, which they keep reading as."""
-    if quantize != "nf4":
-        raise ValueError(f"quantize_model: quantize must be 'nf4', got {quantize!r}")
     config = model.config
-    if config.num_experts:
-        raise ValueError(f"quantize_model: NF4 covers dense models; this {config.model_type} model has "
-                         "mixture-of-experts layers")
+    _check_quantize(quantize, config, "quantize_model")
     names = [n for n, _ in model.named_parameters() if QUANTIZED.fullmatch(n)]
     plan = native_to_hf(names, config.num_layers, family_of(config.model_type).keymap, config.num_experts)
     with torch.no_grad():
         for name in names:
-            module = model.get_submodule(name.rpartition(".")[0])
-            rows = part_sizes(name, config.fused_part_sizes, len(plan[name]), module.weight.shape[0])
-            module.weight = torch.nn.Parameter(quantize_nf4(module.weight.detach(), rows), requires_grad=False)
+            weight = model.get_parameter(name).detach()
+            _set_weight(model, name, quantize_nf4(weight, part_sizes(name, config.fused_part_sizes,
+                                                                     len(plan[name]), weight.shape[0])))
     return model
 
 

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from checkpoints_tools import CheckpointError
 from ligermodels import AutoLigerModel, LigerLlama
 from ligermodels.lora import add_lora, load_lora, merge_lora, save_lora
 from ligermodels.train import parse_args
@@ -245,7 +246,7 @@ def test_a_checkpoint_stored_quantised_is_refused_naming_its_scheme(checkpoint, 
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(Exception, match="stored quantised \\('gptq'"):
+    with pytest.raises(CheckpointError, match="stored quantised \\('gptq'"):
         LigerLlama.from_hf(str(path), quantize="nf4")
 
 

@@ -191,8 +191,7 @@ def build_quantized_model(inputs: Inputs, config: TrainConfig, world: int, devic
     except (CheckpointError, UnsupportedConfigError, ValueError) as e:
         raise TrainError(str(e)) from None
     torch.manual_seed(config.seed)
-    add_lora(model, device="cpu", **lora_options(config))
-    model.requires_grad_(False)
+    add_lora(model, device="cpu", **lora_options(config))  # (freezes the base)
     for m in lora_modules(model).values():
         m.lora_A, m.lora_B = (torch.nn.Parameter(p.detach().to(device)) for p in (m.lora_A, m.lora_B))
     apply_activation_checkpointing(model, config.ac)
