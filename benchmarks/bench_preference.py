@@ -41,7 +41,10 @@ import time
 from benchmarks.bench_train import run_child, summarize
 from benchmarks.common import MODELS, RESULTS, SPECIALS, environment, write_model_dir, write_results
 
-IMPLS = ("ligermodels", "trl", "trl+liger", "trl+compile")
+#: ours (eager, and with the step replayed from a CUDA graph: ``--cuda-graph``), then TRL's variants
+OURS = ("ligermodels", "ligermodels-graph")
+TRL_IMPLS = ("trl", "trl+liger", "trl+compile")
+IMPLS = (*OURS, *TRL_IMPLS)
 SEED = 0
 LR = 1e-6
 #: ours against the fastest TRL variant (tokens/s, at least) and TRL + Liger-Kernel (peak memory, at most)
@@ -81,9 +84,10 @@ def ours_command(args, model_dir: str, data: str, out: str) -> list[str]:
             "--save-every", "0", "--seed", str(SEED), "--ac", args.ac, *(["--device", "cpu"] if args.shrink else [])]
 
 
-def run_ours(args, model_dir: str, data: str) -> dict:
-    out = os.path.join(args.out, f"ours-{args.model}-{args.objective}-{args.reference}")
-    res = run_child(ours_command(args, model_dir, data, out), args.timeout)
+def run_ours(args, impl: str, model_dir: str, data: str) -> dict:
+    out = os.path.join(args.out, f"{impl}-{args.model}-{args.objective}-{args.reference}")
+    graph = ["--cuda-graph"] if impl == "ligermodels-graph" else []
+    res = run_child(ours_command(args, model_dir, data, out) + graph, args.timeout)
     if res.returncode != 0:
         return {"error": res.stderr[-2000:]}
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -184,26 +188,30 @@ def run_trl(args, impl: str, model_dir: str, data: str) -> dict:
 
 
 def checks(rows: list[dict]) -> dict:
-    """Per (model, objective, reference): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
+    """Per (model, objective, reference, ac) and each of our impls run there (``.../--cuda-graph`` for
+    ``ligermodels-graph``): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
     out = {}
     for key in {(r["model"], r["objective"], r["reference"], r["ac"]) for r in rows}:
         by = {r["impl"]: r for r in rows
               if (r["model"], r["objective"], r["reference"], r["ac"]) == key and "error" not in r}
-        if "ligermodels" not in by:
-            continue
-        ours, name, result = by["ligermodels"], "/".join(key), {}
-        rivals = [by[i] for i in IMPLS[1:] if i in by]
-        if rivals:
-            fastest = max(rivals, key=lambda r: r["tokens_per_s"])
-            ratio = ours["tokens_per_s"] / fastest["tokens_per_s"]
-            result["speed_vs_fastest_trl"] = {"ratio": round(ratio, 3), "fastest": fastest["impl"],
-                                              "holds": ratio >= TARGETS["speed_vs_fastest_trl"],
-                                              "rivals_run": sorted(by)}
-        if "trl+liger" in by:
-            ratio = ours["peak_mem_gb"] / by["trl+liger"]["peak_mem_gb"]
-            result["memory_vs_trl_liger"] = {"ratio": round(ratio, 3), "holds": ratio <= TARGETS["memory_vs_trl_liger"]}
-        out[name] = result
+        for impl in (i for i in OURS if i in by):
+            out["/".join(key) + ("/--cuda-graph" if impl == "ligermodels-graph" else "")] = _check(by[impl], by)
     return out
+
+
+def _check(ours: dict, by: dict) -> dict:
+    result = {}
+    rivals = [by[i] for i in TRL_IMPLS if i in by]
+    if rivals:
+        fastest = max(rivals, key=lambda r: r["tokens_per_s"])
+        ratio = ours["tokens_per_s"] / fastest["tokens_per_s"]
+        result["speed_vs_fastest_trl"] = {"ratio": round(ratio, 3), "fastest": fastest["impl"],
+                                          "holds": ratio >= TARGETS["speed_vs_fastest_trl"],
+                                          "rivals_run": sorted(by)}
+    if "trl+liger" in by:
+        ratio = ours["peak_mem_gb"] / by["trl+liger"]["peak_mem_gb"]
+        result["memory_vs_trl_liger"] = {"ratio": round(ratio, 3), "holds": ratio <= TARGETS["memory_vs_trl_liger"]}
+    return result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -244,7 +252,7 @@ def main(argv=None) -> None:
     for impl in args.impls:
         t0 = time.perf_counter()
         try:
-            row = run_ours(args, model_dir, data) if impl == "ligermodels" else run_trl(args, impl, model_dir, data)
+            row = run_ours(args, impl, model_dir, data) if impl in OURS else run_trl(args, impl, model_dir, data)
         except subprocess.TimeoutExpired:
             row = {"error": f"did not finish {args.steps} steps within --timeout {args.timeout:g} s"}
         row = {"impl": impl, "model": args.model, "objective": args.objective, "reference": args.reference,

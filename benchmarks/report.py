@@ -764,7 +764,8 @@ def _newest(prefix: str, table) -> str:
 
 
 # ------------------------------------------------------------------------------------------ preference tuning
-_PREFERENCE_IMPLS = {"ligermodels": "`python -m ligermodels.train --objective ...`", "trl": "TRL",
+_PREFERENCE_IMPLS = {"ligermodels": "`python -m ligermodels.train --objective ...`",
+                     "ligermodels-graph": "the same, `--cuda-graph`", "trl": "TRL",
                      "trl+liger": "TRL, `use_liger_kernel=True`", "trl+compile": "TRL, `torch_compile=True`"}
 
 

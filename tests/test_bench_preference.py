@@ -30,10 +30,14 @@ def test_checks_take_the_fastest_trl_variant_and_trl_liger_memory_per_setting():
             {**base, "impl": "trl", "tokens_per_s": 90.0, "peak_mem_gb": 12.0},
             {**base, "impl": "trl+liger", "tokens_per_s": 100.0, "peak_mem_gb": 10.0},
             {**base, "impl": "trl+compile", "error": "failed"},
+            {**base, "impl": "ligermodels-graph", "tokens_per_s": 120.0, "peak_mem_gb": 8.0},
             {**base, "ac": "none", "impl": "trl", "tokens_per_s": 1000.0, "peak_mem_gb": 1.0}]
     out = checks(rows)["m/dpo/model/full"]
     assert out["speed_vs_fastest_trl"]["ratio"] == 1.3 and out["speed_vs_fastest_trl"]["fastest"] == "trl+liger"
     assert out["speed_vs_fastest_trl"]["holds"] and out["memory_vs_trl_liger"] == {"ratio": 0.7, "holds": True}
+    graph = checks(rows)["m/dpo/model/full/--cuda-graph"]  # each of our impls against the same TRL rows
+    assert graph["speed_vs_fastest_trl"]["ratio"] == 1.2 and not graph["speed_vs_fastest_trl"]["holds"]
+    assert graph["memory_vs_trl_liger"] == {"ratio": 0.8, "holds": False}
     assert "m/dpo/model/none" not in checks(rows)  # no ligermodels row there
 
 
