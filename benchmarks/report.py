@@ -776,11 +776,13 @@ def preference_table(d: dict) -> str:
     lines = [f"On {d['gpu']} ({_versions(d)}), {s['batch']} pairs a micro-batch of {s['prompt_words']}-word prompts "
              f"and {s['completion_words']}-word chosen and rejected completions, {s['steps']} steps (median of the "
              f"last {s['steps'] - s['warmup']}), fp32 master weights, bf16 compute.", ""]
-    for model, objective in sorted({(r["model"], r["objective"]) for r in d["rows"]}):
-        lines += [f"**{_name(model)}, {objective.upper()}**", "",
+    for model, objective, rank in sorted({(r["model"], r["objective"], r.get("lora_rank", 0)) for r in d["rows"]}):
+        lora = (f", LoRA rank {rank} on the seven projections of a bf16 base (TRL: + PEFT; the reference: the base "
+                "with the adapters off)") if rank else ""
+        lines += [f"**{_name(model)}, {objective.upper()}{lora}**", "",
                   "| reference | activation checkpointing | implementation | tokens/s | peak memory (GB) |",
                   "|---|---|---|---|---|"]
-        rows = [r for r in d["rows"] if (r["model"], r["objective"]) == (model, objective)]
+        rows = [r for r in d["rows"] if (r["model"], r["objective"], r.get("lora_rank", 0)) == (model, objective, rank)]
         for r in sorted(rows, key=lambda r: (r["reference"], r["ac"], list(_PREFERENCE_IMPLS).index(r["impl"]))):
             failed = "error" in r
             speed = "failed: " + r["error"].strip().splitlines()[-1] if failed else f"{r['tokens_per_s']:,.0f}"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_preference import checks, main, trl_tokenizer, write_inputs
+from benchmarks.bench_preference import checks, main, ours_command, parse_args, setting, trl_tokenizer, write_inputs
 from ligermodels.train.config import TrainConfig
 from ligermodels.train.data import load_inputs
 
@@ -53,3 +53,15 @@ def test_trl_side_trains_on_every_token_of_the_pairs(tmp_path):
     assert row["tokens_per_step"] == 4 * 2 * (5 + 9 + 1)
     model_dir = tmp_path / "qwen2-1.5b" / "model"
     assert len(trl_tokenizer(str(model_dir))("w7 w8 w9")["input_ids"]) == 3
+
+
+def test_lora_rows_run_ours_on_the_base_with_the_adapter_flags_and_compare_among_themselves():
+    args = parse_args(["--lora", "--model", "qwen2-7b"])
+    cmd = ours_command(args, "base", "pairs.jsonl", "out")
+    assert "--from-scratch" not in cmd and cmd[cmd.index("--model") + 1] == "base"
+    assert cmd[cmd.index("--lora-rank") + 1] == "16" and cmd[cmd.index("--lora-targets") + 1] == "q,k,v,o,gate,up,down"
+    base = {"model": "m", "objective": "dpo", "reference": "model", "ac": "full"}
+    assert setting({**base, "lora_rank": 16}) == ("m", "dpo", "model", "full", "lora") != setting(base)
+    rows = [{**base, "impl": "ligermodels", "tokens_per_s": 100.0, "peak_mem_gb": 7.0},
+            {**base, "impl": "trl", "lora_rank": 16, "tokens_per_s": 50.0, "peak_mem_gb": 12.0}]
+    assert checks(rows)["m/dpo/model/full"] == {}  # the full-training row has no TRL row of its own setting
