@@ -846,8 +846,32 @@ def test_activation_checkpointing_keeps_gradients(checkpoint, mode):
     apply_activation_checkpointing(model, mode)  # checkpointed layers keep their norm and GLU outputs
     assert all(m.keep_output for m in model.modules() if isinstance(m, RMSNorm) and m is not model.norm)
     assert all(m.keep_activation for m in model.modules() if isinstance(m, MLP)) and not model.norm.keep_output
+    assert model.sum_residual  # the layers' inputs are the summed residual stream
     for k in ref:
         assert _rel(got[k], ref[k]) <= 1e-6, k
+
+
+def test_checkpointed_layers_keep_one_hidden_sized_tensor_each_for_backward(checkpoint):
+    """Under full activation checkpointing the residual stream is summed into each layer's input first, so each
+    checkpoint keeps one (B, S, H) tensor, not the previous layer's output and the stream; the loss is the same."""
+    ids = torch.randint(4, 40, (2, 24), generator=torch.Generator().manual_seed(0))
+    counts, losses = {}, {}
+    for summed in (False, True):
+        model = LigerLlama.from_hf(checkpoint, dtype=torch.float32).train()
+        apply_activation_checkpointing(model, "full")
+        model.sum_residual = summed
+        hidden = []
+
+        def pack(t, hidden=hidden):
+            if t.shape[-1] == model.config.hidden_size and t.numel() == ids.numel() * model.config.hidden_size:
+                hidden.append(t.data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses[summed] = model.loss(ids, ids)
+        counts[summed] = len(set(hidden))
+    assert counts[False] - counts[True] == model.config.num_layers - 1, counts
+    assert losses[True].item() == losses[False].item()
 
 
 @pytest.mark.parametrize("op", ["doc_attention_fwd", "rope_qkv_", "qk_norm_rope_qkv_"])
