@@ -18,6 +18,11 @@ chosen and rejected sequences to their longest (here all equal: no padding) and 
 Liger-Kernel option leaves the fused linear loss off under DPO); ours packs the pairs into one row without padding
 and never builds the logits.
 
+``--lora``: LoRA on both sides (``bench_train.LORA``: rank 16, alpha 32, no dropout, all seven projections) over a
+random bf16 base checkpoint ``WORK/<model>/base`` (``bench_train.ensure_base``) that both load: ours ``--lora-rank
+16 ...``, TRL + PEFT ``get_peft_model`` (adapters fp32, ``bench_train.peft_model``); the reference is the base with
+the adapters off on both sides (no second copy), a forward every step or precomputed as above.
+
 Per run: ``tokens_per_s`` (median over the steps after ``--warmup`` of the step's input tokens / step time: ours from
 its metrics.jsonl, TRL's from the time between consecutive ``on_step_end`` callbacks after a device sync),
 ``peak_mem_gb`` (``max_memory_allocated`` from the loaded model on), ``losses``.
@@ -38,10 +43,13 @@ import subprocess
 import sys
 import time
 
-from benchmarks.bench_train import run_child, summarize
+from benchmarks.bench_train import LORA, ensure_base, peft_model, run_child, summarize
 from benchmarks.common import MODELS, RESULTS, SPECIALS, environment, write_model_dir, write_results
 
-IMPLS = ("ligermodels", "trl", "trl+liger", "trl+compile")
+#: ours (eager, and with the step replayed from a CUDA graph: ``--cuda-graph``), then TRL's variants
+OURS = ("ligermodels", "ligermodels-graph")
+TRL_IMPLS = ("trl", "trl+liger", "trl+compile")
+IMPLS = (*OURS, *TRL_IMPLS)
 SEED = 0
 LR = 1e-6
 #: ours against the fastest TRL variant (tokens/s, at least) and TRL + Liger-Kernel (peak memory, at most)
@@ -74,16 +82,19 @@ def write_inputs(work: str, model: str, pairs: int, prompt_words: int, completio
 
 
 def ours_command(args, model_dir: str, data: str, out: str) -> list[str]:
-    return [sys.executable, "-m", "ligermodels.train", "--model", model_dir, "--from-scratch", "--data", data,
+    lora = (["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
+             str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])] if args.lora else ["--from-scratch"])
+    return [sys.executable, "-m", "ligermodels.train", "--model", model_dir, *lora, "--data", data,
             "--out", out, "--overwrite", "--objective", args.objective, "--reference", args.reference,
             "--batch-size", str(args.batch), "--steps", str(args.steps), "--seq-len", str(args.seq), "--lr", str(LR),
             "--lr-schedule", "constant", "--warmup-steps", "0", "--weight-decay", "0.1", "--max-grad-norm", "1.0",
             "--save-every", "0", "--seed", str(SEED), "--ac", args.ac, *(["--device", "cpu"] if args.shrink else [])]
 
 
-def run_ours(args, model_dir: str, data: str) -> dict:
-    out = os.path.join(args.out, f"ours-{args.model}-{args.objective}-{args.reference}")
-    res = run_child(ours_command(args, model_dir, data, out), args.timeout)
+def run_ours(args, impl: str, model_dir: str, data: str) -> dict:
+    out = os.path.join(args.out, f"{impl}-{args.model}-{args.objective}-{args.reference}")
+    graph = ["--cuda-graph"] if impl == "ligermodels-graph" else []
+    res = run_child(ours_command(args, model_dir, data, out) + graph, args.timeout)
     if res.returncode != 0:
         return {"error": res.stderr[-2000:]}
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -112,8 +123,11 @@ def trl_worker(args) -> dict:
         m.config.use_cache = False
         return m
 
-    model = random_model()
-    ref = random_model() if args.objective == "dpo" and args.reference == "model" else None
+    if args.lora:  # the base loaded in bf16, PEFT's fp32 adapters; the reference: the base, adapters off
+        model, ref = peft_model(args.model_dir, device), None
+    else:
+        model = random_model()
+        ref = random_model() if args.objective == "dpo" and args.reference == "model" else None
     tokenizer = trl_tokenizer(args.model_dir)
     with open(args.data) as f:
         pairs = datasets.Dataset.from_list([json.loads(line) for line in f])
@@ -183,27 +197,35 @@ def run_trl(args, impl: str, model_dir: str, data: str) -> dict:
     return json.loads(lines[-1])
 
 
+def setting(row: dict) -> tuple[str, ...]:
+    """What a row's numbers compare within: model, objective, reference, ac (and ``lora`` for LoRA rows)."""
+    return (row["model"], row["objective"], row["reference"], row["ac"], *(("lora",) if row.get("lora_rank") else ()))
+
+
 def checks(rows: list[dict]) -> dict:
-    """Per (model, objective, reference): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
+    """Per :func:`setting` and each of our impls run there (``.../--cuda-graph`` for
+    ``ligermodels-graph``): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
     out = {}
-    for key in {(r["model"], r["objective"], r["reference"], r["ac"]) for r in rows}:
-        by = {r["impl"]: r for r in rows
-              if (r["model"], r["objective"], r["reference"], r["ac"]) == key and "error" not in r}
-        if "ligermodels" not in by:
-            continue
-        ours, name, result = by["ligermodels"], "/".join(key), {}
-        rivals = [by[i] for i in IMPLS[1:] if i in by]
-        if rivals:
-            fastest = max(rivals, key=lambda r: r["tokens_per_s"])
-            ratio = ours["tokens_per_s"] / fastest["tokens_per_s"]
-            result["speed_vs_fastest_trl"] = {"ratio": round(ratio, 3), "fastest": fastest["impl"],
-                                              "holds": ratio >= TARGETS["speed_vs_fastest_trl"],
-                                              "rivals_run": sorted(by)}
-        if "trl+liger" in by:
-            ratio = ours["peak_mem_gb"] / by["trl+liger"]["peak_mem_gb"]
-            result["memory_vs_trl_liger"] = {"ratio": round(ratio, 3), "holds": ratio <= TARGETS["memory_vs_trl_liger"]}
-        out[name] = result
+    for key in {setting(r) for r in rows}:
+        by = {r["impl"]: r for r in rows if setting(r) == key and "error" not in r}
+        for impl in (i for i in OURS if i in by):
+            out["/".join(key) + ("/--cuda-graph" if impl == "ligermodels-graph" else "")] = _check(by[impl], by)
     return out
+
+
+def _check(ours: dict, by: dict) -> dict:
+    result = {}
+    rivals = [by[i] for i in TRL_IMPLS if i in by]
+    if rivals:
+        fastest = max(rivals, key=lambda r: r["tokens_per_s"])
+        ratio = ours["tokens_per_s"] / fastest["tokens_per_s"]
+        result["speed_vs_fastest_trl"] = {"ratio": round(ratio, 3), "fastest": fastest["impl"],
+                                          "holds": ratio >= TARGETS["speed_vs_fastest_trl"],
+                                          "rivals_run": sorted(by)}
+    if "trl+liger" in by:
+        ratio = ours["peak_mem_gb"] / by["trl+liger"]["peak_mem_gb"]
+        result["memory_vs_trl_liger"] = {"ratio": round(ratio, 3), "holds": ratio <= TARGETS["memory_vs_trl_liger"]}
+    return result
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -220,6 +242,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ac", default="full", choices=("none", "full"),
                    help="activation checkpointing of every layer on both sides (TRL's default gradient_checkpointing "
                         "is on: full)")
+    p.add_argument("--lora", action="store_true", help="LoRA rank 16 on all seven projections over a bf16 base "
+                   "checkpoint, both sides (TRL + PEFT)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--shrink", action="store_true", help="a tiny shape on the CPU (tests only; no timing claims)")
@@ -241,14 +265,17 @@ def main(argv=None) -> None:
         return
     model_dir, data = write_inputs(args.out, args.model, args.steps * args.batch, args.prompt_words,
                                    args.completion_words, args.shrink)
+    if args.lora:  # both sides load this random bf16 checkpoint (config and tokenizer of model_dir)
+        model_dir = ensure_base(args.out, args.model, int(args.timeout))
     for impl in args.impls:
         t0 = time.perf_counter()
         try:
-            row = run_ours(args, model_dir, data) if impl == "ligermodels" else run_trl(args, impl, model_dir, data)
+            row = run_ours(args, impl, model_dir, data) if impl in OURS else run_trl(args, impl, model_dir, data)
         except subprocess.TimeoutExpired:
             row = {"error": f"did not finish {args.steps} steps within --timeout {args.timeout:g} s"}
         row = {"impl": impl, "model": args.model, "objective": args.objective, "reference": args.reference,
-               "ac": args.ac, **row, "wall_s": round(time.perf_counter() - t0, 1)}
+               "ac": args.ac, **({"lora_rank": LORA["rank"]} if args.lora else {}), **row,
+               "wall_s": round(time.perf_counter() - t0, 1)}
         print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
         print(write_row(args, row), flush=True)  # after each run: a later one may not finish
 
@@ -259,7 +286,7 @@ def write_row(args, row: dict) -> str:
     row = {**row, "command": env["command"], "commit": env["commit"]}  # a file merges the rows of several calls
     name = f"preference-{env['gpu'].replace(' ', '_')}-{env['date']}{args.tag}"
     path = os.path.join(args.results, f"{name}.json")
-    key = lambda r: (r["model"], r["objective"], r["reference"], r["ac"], r["impl"])  # noqa: E731
+    key = lambda r: (*setting(r), r["impl"])  # noqa: E731
     rows = []
     if os.path.isfile(path):
         with open(path) as f:

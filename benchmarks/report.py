@@ -764,7 +764,8 @@ def _newest(prefix: str, table) -> str:
 
 
 # ------------------------------------------------------------------------------------------ preference tuning
-_PREFERENCE_IMPLS = {"ligermodels": "`python -m ligermodels.train --objective ...`", "trl": "TRL",
+_PREFERENCE_IMPLS = {"ligermodels": "`python -m ligermodels.train --objective ...`",
+                     "ligermodels-graph": "the same, `--cuda-graph`", "trl": "TRL",
                      "trl+liger": "TRL, `use_liger_kernel=True`", "trl+compile": "TRL, `torch_compile=True`"}
 
 
@@ -775,11 +776,13 @@ def preference_table(d: dict) -> str:
     lines = [f"On {d['gpu']} ({_versions(d)}), {s['batch']} pairs a micro-batch of {s['prompt_words']}-word prompts "
              f"and {s['completion_words']}-word chosen and rejected completions, {s['steps']} steps (median of the "
              f"last {s['steps'] - s['warmup']}), fp32 master weights, bf16 compute.", ""]
-    for model, objective in sorted({(r["model"], r["objective"]) for r in d["rows"]}):
-        lines += [f"**{_name(model)}, {objective.upper()}**", "",
+    for model, objective, rank in sorted({(r["model"], r["objective"], r.get("lora_rank", 0)) for r in d["rows"]}):
+        lora = (f", LoRA rank {rank} on the seven projections of a bf16 base (TRL: + PEFT; the reference: the base "
+                "with the adapters off)") if rank else ""
+        lines += [f"**{_name(model)}, {objective.upper()}{lora}**", "",
                   "| reference | activation checkpointing | implementation | tokens/s | peak memory (GB) |",
                   "|---|---|---|---|---|"]
-        rows = [r for r in d["rows"] if (r["model"], r["objective"]) == (model, objective)]
+        rows = [r for r in d["rows"] if (r["model"], r["objective"], r.get("lora_rank", 0)) == (model, objective, rank)]
         for r in sorted(rows, key=lambda r: (r["reference"], r["ac"], list(_PREFERENCE_IMPLS).index(r["impl"]))):
             failed = "error" in r
             speed = "failed: " + r["error"].strip().splitlines()[-1] if failed else f"{r['tokens_per_s']:,.0f}"
@@ -913,8 +916,33 @@ _QLORA_IMPLS = {"ligermodels-qlora": "`ligermodels.train --quantize nf4 --lora-r
                 "hf+peft+bnb+compile": "Trainer + PEFT + bitsandbytes + torch.compile"}
 
 
+def _qlora_max_batch(d: dict) -> list[str]:
+    """A qlora-lora file's ``--max-batch`` entries: the largest micro-batch each run fits (within ``--memory-cap``)."""
+    fits = d.get("max_batch", [])
+    if not fits:
+        return []
+    cap = fits[0].get("memory_cap_gb")
+    lines = [f"**Largest micro-batch{f' within {cap:g} GB' if cap else ''}** ({_short_gpu(d['gpu'])}): seq "
+             f"{fits[0]['seq']}, activation checkpointing `{fits[0]['ac']}`, {fits[0].get('steps_per_try', 2)} "
+             "optimiser steps a try; doubling, then bisection to the boundary, one process per implementation"
+             + (", its memory capped by `torch.cuda.set_per_process_memory_fraction`" if cap else "") + ".", "",
+             "| model | run | largest micro-batch | its peak memory (GB) | first out of memory |", "|---|---|---|---|---|"]
+    for f in fits:
+        name = _QLORA_IMPLS.get(f["impl"], f["impl"])
+        if "error" in f:
+            lines.append(f"| {_name(f['model'])} | {name} | failed | | |")
+            continue
+        peak = next((t["peak_mem_gb"] for t in f.get("tries", []) if t["batch"] == f["max_batch"]), None)
+        lines.append(f"| {_name(f['model'])} | {name} | {f['max_batch']} | "
+                     f"{'' if peak is None else f'{peak:.2f}'} | {f.get('first_oom_batch') or '-'} |")
+    return lines + [""]
+
+
 def _qlora_training(d: dict) -> list[str]:
-    """One qlora-lora file: a table per (model, micro-batch), ours against each Trainer, with the checks."""
+    """One qlora-lora file: a table per (model, micro-batch), ours against each Trainer, with the checks; its
+    ``--max-batch`` entries (a file may hold only those)."""
+    if not d.get("rows"):
+        return _qlora_max_batch(d)
     st, lo = d["settings"], d["settings"]["lora"]
     lines = [f"**{_name(d['rows'][0]['model'])}, seq {st['seq']}, activation checkpointing `{st['ac']}`** "
              f"({_short_gpu(d['gpu'])}): rank {lo['rank']}, alpha {lo['alpha']:g} on {', '.join(lo['targets'])}; "
@@ -937,7 +965,7 @@ def _qlora_training(d: dict) -> list[str]:
              "memory_vs_peft_bnb": "memory vs leanest Trainer"}
     if any(d["checks"].get(k) for k in d["checks"]) and any(r["impl"].startswith("hf") for r in d["rows"]):
         lines += _checks_table([d], names, ("memory_vs_peft_bnb",), d["targets"])
-    return lines + [""]
+    return lines + [""] + _qlora_max_batch(d)
 
 
 def _nf4_exact(d: dict) -> list[str]:

@@ -66,6 +66,11 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.norm_offset, c.norm_casting)
         self.head = None if c.tie_embeddings else OutputHead(c.hidden_size, c.vocab_size)
+        #: Add the residual stream into each layer's input before the layer (which then starts the stream from that
+        #: sum, as the first layer does from the embedding) instead of inside its first norm. The same numbers
+        #: forward; set under activation checkpointing, whose saved inputs are then one (B, S, H) tensor a layer,
+        #: not two (``ligermodels.train.parallelize.apply_activation_checkpointing``).
+        self.sum_residual = False
 
     # ------------------------------------------------------------------------------ parameters
     @property
@@ -130,6 +135,8 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             c, sn = local if self.config.layer_windows[i] is not None else (cos, sin)
+            if self.sum_residual and residual is not None:  # bf16(x + residual), as the fused norm rounds it
+                x, residual = x + residual, None
             x, residual = layer(x, residual, c, sn, mask, None if cache is None else cache[i])
         return self.norm(x, residual)[0]
 

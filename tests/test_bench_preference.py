@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_preference import checks, main, trl_tokenizer, write_inputs
+from benchmarks.bench_preference import checks, main, ours_command, parse_args, setting, trl_tokenizer, write_inputs
 from ligermodels.train.config import TrainConfig
 from ligermodels.train.data import load_inputs
 
@@ -30,10 +30,14 @@ def test_checks_take_the_fastest_trl_variant_and_trl_liger_memory_per_setting():
             {**base, "impl": "trl", "tokens_per_s": 90.0, "peak_mem_gb": 12.0},
             {**base, "impl": "trl+liger", "tokens_per_s": 100.0, "peak_mem_gb": 10.0},
             {**base, "impl": "trl+compile", "error": "failed"},
+            {**base, "impl": "ligermodels-graph", "tokens_per_s": 120.0, "peak_mem_gb": 8.0},
             {**base, "ac": "none", "impl": "trl", "tokens_per_s": 1000.0, "peak_mem_gb": 1.0}]
     out = checks(rows)["m/dpo/model/full"]
     assert out["speed_vs_fastest_trl"]["ratio"] == 1.3 and out["speed_vs_fastest_trl"]["fastest"] == "trl+liger"
     assert out["speed_vs_fastest_trl"]["holds"] and out["memory_vs_trl_liger"] == {"ratio": 0.7, "holds": True}
+    graph = checks(rows)["m/dpo/model/full/--cuda-graph"]  # each of our impls against the same TRL rows
+    assert graph["speed_vs_fastest_trl"]["ratio"] == 1.2 and not graph["speed_vs_fastest_trl"]["holds"]
+    assert graph["memory_vs_trl_liger"] == {"ratio": 0.8, "holds": False}
     assert "m/dpo/model/none" not in checks(rows)  # no ligermodels row there
 
 
@@ -49,3 +53,15 @@ def test_trl_side_trains_on_every_token_of_the_pairs(tmp_path):
     assert row["tokens_per_step"] == 4 * 2 * (5 + 9 + 1)
     model_dir = tmp_path / "qwen2-1.5b" / "model"
     assert len(trl_tokenizer(str(model_dir))("w7 w8 w9")["input_ids"]) == 3
+
+
+def test_lora_rows_run_ours_on_the_base_with_the_adapter_flags_and_compare_among_themselves():
+    args = parse_args(["--lora", "--model", "qwen2-7b"])
+    cmd = ours_command(args, "base", "pairs.jsonl", "out")
+    assert "--from-scratch" not in cmd and cmd[cmd.index("--model") + 1] == "base"
+    assert cmd[cmd.index("--lora-rank") + 1] == "16" and cmd[cmd.index("--lora-targets") + 1] == "q,k,v,o,gate,up,down"
+    base = {"model": "m", "objective": "dpo", "reference": "model", "ac": "full"}
+    assert setting({**base, "lora_rank": 16}) == ("m", "dpo", "model", "full", "lora") != setting(base)
+    rows = [{**base, "impl": "ligermodels", "tokens_per_s": 100.0, "peak_mem_gb": 7.0},
+            {**base, "impl": "trl", "lora_rank": 16, "tokens_per_s": 50.0, "peak_mem_gb": 12.0}]
+    assert checks(rows)["m/dpo/model/full"] == {}  # the full-training row has no TRL row of its own setting

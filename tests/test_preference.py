@@ -172,6 +172,55 @@ def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case, refere
         assert rel_err(ours_grads[name], g) <= 1e-4, (name, rel_err(ours_grads[name], g))
 
 
+@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "simpo", "kto"])
+def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed_one(tmp_path, case,
+                                                                                       reference_kernels):
+    """--cuda-graph's step (:meth:`PreferenceTask.graph_loss` on :meth:`graph_inputs`: rows padded to the longest
+    micro-batch the data makes, counts as device tensors) gives the eager step's loss, metric sums and gradients."""
+    options, kind, _ = CASES[case]
+    records = UNPAIRED if kind == "kto" else PAIRS
+    task, model = _ours(_tiny_checkpoint(tmp_path, "llama3"), _write(tmp_path / "data.jsonl", records), options,
+                        str(tmp_path / "out"), 2)
+    if kind in ("dpo", "kto"):
+        task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
+    index = [2, 0] if kind != "kto" else [3, 0]
+    counts, batch = task.counts(index, 1, CPU), make_batch(task.examples, index)
+    eager = task.forward_backward(model, batch, counts, 1, CPU)
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    inputs = task.graph_inputs(batch, counts)
+    assert inputs[0].shape[1] == task.graph_room[0] > batch.rows.input_ids.shape[1]  # padded
+    loss, stats = task.graph_loss(model, *inputs)
+    loss.backward()
+    assert stats.shape == eager.shape and rel_err(stats, eager) <= 1e-6, (stats, eager)
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, eager_grads[n]) <= 1e-5, n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("objective, reference", [("dpo", "precompute"), ("dpo", "model"), ("orpo", "none"),
+                                                  ("kto", "precompute")])
+def test_a_cuda_graph_preference_run_takes_the_eager_steps(tmp_path, objective, reference):
+    """--cuda-graph with a preference objective (bf16, one GPU): the eager run's losses and metrics within bf16
+    rounding (FlashAttention's backward accumulates with atomics), though every row is padded to the longest."""
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3")
+    data = _write(tmp_path / "data.jsonl", UNPAIRED * 2 if objective == "kto" else PAIRS * 2)
+    runs = {}
+    for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
+        out = tmp_path / name
+        ref = [] if reference == "none" else ["--reference", reference]
+        res = subprocess.run([sys.executable, "-m", "ligermodels.train", "--model", checkpoint, "--data", data,
+                              "--out", str(out), "--objective", objective, *ref, "--batch-size", "2", "--steps", "5",
+                              "--save-every", "0", "--dtype", "bf16", "--device", "cuda", "--lr", "1e-3", *extra],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[name] = _metrics(out)
+    for a, b in zip(runs["eager"], runs["graph"], strict=True):
+        for key in ("loss", "grad_norm", "rewards/chosen", "logps/chosen"):
+            assert abs(a[key] - b[key]) <= 2e-2 * max(abs(a[key]), 1e-2), (key, a, b)
+
+
 def test_reference_logps_are_transformers_float64_log_softmax_of_each_sequence(tmp_path, reference_kernels):
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
     data = _write(tmp_path / "data.jsonl", PAIRS)

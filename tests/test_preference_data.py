@@ -353,7 +353,7 @@ def test_packed_sequences_describe_the_next_token_at_each_position():
     assert p.input_ids.tolist() == [[10, 11, 12, 13, 20, 21, 22, 30, 31]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]  # restart at each sequence
     assert p.labels.tolist() == [[-100, 11, 12, 13, -100, 21, 22, -100, 31]]  # nothing predicts a first token
-    assert p.lengths.tolist() == [4, 3, 2]
+    assert p.documents.cu_seqlens.tolist() == [0, 4, 7, 9] and p.count == 3
     # position t predicts token t + 1: whether that is a completion token (a sequence's first never is), and whose
     assert p.completion.tolist() == [False, True, True, False, True, True, False, True, False]
     assert p.segment[:-1].tolist() == [0, 0, 0, 1, 1, 1, 2, 2]
@@ -365,6 +365,27 @@ def test_packed_sequences_describe_the_next_token_at_each_position():
     assert picked.tolist() == [12, 13, 21, 22, 31]
     counts = torch.bincount(p.segment[p.completion], minlength=len(sequences))
     assert counts.tolist() == [int(n) for n in p.predicted_lens]
+
+
+def test_a_padded_row_adds_documents_of_at_most_seq_len_that_no_sum_reads():
+    """--cuda-graph's fixed shapes: the row grows to the given length with documents of at most ``seq_len`` tokens
+    (positions restarting, no labels, no completion), and the bounds get room for n + ceil(length / seq_len)
+    sequences, the unused ones empty, with ``seq_len`` as the longest; the sequences' own tensors are unchanged."""
+    p = PackedSequences.pack([Sequence([10, 11, 12, 13], 2), Sequence([20, 21, 22], 1)])
+    q = p.padded(14, 4)
+    assert q.input_ids.tolist() == [[10, 11, 12, 13, 20, 21, 22, 0, 0, 0, 0, 0, 0, 0]]
+    assert q.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2]]
+    assert q.labels[0, 7:].tolist() == [-100] * 7 and q.labels[0, :7].tolist() == p.labels[0].tolist()
+    assert q.completion[7:].sum() == 0 and q.completion[:7].tolist() == p.completion.tolist()
+    assert q.segment[7:].tolist() == [0] * 7 and q.completion_lens is p.completion_lens and q.count == 2
+    assert q.documents.cu_seqlens.tolist() == [0, 4, 7, 11, 14, 14, 14]  # room for 2 + ceil(14 / 4) sequences
+    assert q.documents.max_len == 4
+    rebuilt = PackedSequences.from_flat(q.flat(), 4)
+    assert rebuilt.documents.ids.tolist() == q.documents.ids.tolist()
+    assert torch.equal(rebuilt.input_ids, q.input_ids) and torch.equal(rebuilt.predicted_lens, q.predicted_lens)
+    assert p.padded(7, 4).documents.cu_seqlens.tolist() == [0, 4, 7, 7, 7]
+    with pytest.raises(ValueError, match="does not fit"):
+        p.padded(6, 4)
 
 
 def test_a_batch_packs_chosen_then_rejected_and_kto_its_kl_row():

@@ -53,6 +53,7 @@ from ligermodels.train.data import (
 )
 from ligermodels.train.demo import build_tokenizer, save_tokenizer
 from ligermodels.train.metrics import metrics_up_to
+from ligermodels.train.objectives import SFTTask
 from ligermodels.train.parallelize import (
     apply_activation_checkpointing,
     device_memory_bytes,
@@ -845,8 +846,32 @@ def test_activation_checkpointing_keeps_gradients(checkpoint, mode):
     apply_activation_checkpointing(model, mode)  # checkpointed layers keep their norm and GLU outputs
     assert all(m.keep_output for m in model.modules() if isinstance(m, RMSNorm) and m is not model.norm)
     assert all(m.keep_activation for m in model.modules() if isinstance(m, MLP)) and not model.norm.keep_output
+    assert model.sum_residual  # the layers' inputs are the summed residual stream
     for k in ref:
         assert _rel(got[k], ref[k]) <= 1e-6, k
+
+
+def test_checkpointed_layers_keep_one_hidden_sized_tensor_each_for_backward(checkpoint):
+    """Under full activation checkpointing the residual stream is summed into each layer's input first, so each
+    checkpoint keeps one (B, S, H) tensor, not the previous layer's output and the stream; the loss is the same."""
+    ids = torch.randint(4, 40, (2, 24), generator=torch.Generator().manual_seed(0))
+    counts, losses = {}, {}
+    for summed in (False, True):
+        model = LigerLlama.from_hf(checkpoint, dtype=torch.float32).train()
+        apply_activation_checkpointing(model, "full")
+        model.sum_residual = summed
+        hidden = []
+
+        def pack(t, hidden=hidden):
+            if t.shape[-1] == model.config.hidden_size and t.numel() == ids.numel() * model.config.hidden_size:
+                hidden.append(t.data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses[summed] = model.loss(ids, ids)
+        counts[summed] = len(set(hidden))
+    assert counts[False] - counts[True] == model.config.num_layers - 1, counts
+    assert losses[True].item() == losses[False].item()
 
 
 @pytest.mark.parametrize("op", ["doc_attention_fwd", "rope_qkv_", "qk_norm_rope_qkv_"])
@@ -1247,10 +1272,10 @@ def test_graphed_step_captures_tensor_learning_rates_and_gives_the_schedule_back
     optimizer = AdamW([{"params": [p]}, {"params": [], "lr": 0.5}], lr=0.1)
     args = parse_args(["--model", "m", "--data", "d.jsonl", "--out", "o", "--device", "cpu", "--batch-size", "2",
                        "--seq-len", "6", "--graph-documents", "3"])
-    graphed = cuda_graph_module.GraphedStep(None, optimizer, args, torch.device("cpu"))
+    graphed = cuda_graph_module.GraphedStep(None, optimizer, SFTTask(args, None), torch.device("cpu"))
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 0, 1, 2, 3]])
     batch = (torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 6, dtype=torch.long), positions)
-    inputs = graphed.inputs(batch, torch.tensor(12))
+    inputs = graphed.inputs(batch, {"num_items": torch.tensor(12)})
     assert inputs[4].tolist() == [0, 3, 5, 6, 8, 12, 12]  # 5 sequences, room for 2 x 3
     loss, norm = graphed(inputs, max_norm=1.0)
     assert all(isinstance(lr, torch.Tensor) for lr in captured["lrs"]) and captured["capturable"] == [True, True]
@@ -1260,7 +1285,7 @@ def test_graphed_step_captures_tensor_learning_rates_and_gives_the_schedule_back
     graphed(inputs, max_norm=1.0)
     assert [float(t) for t in graphed.lrs] == [float(torch.tensor(0.05)), 0.5] and captured["calls"] == 2
     crowded = torch.zeros(2, 6, dtype=torch.long)  # 12 one-token documents: more than 2 x 3
-    assert graphed.inputs((batch[0], batch[1], crowded), torch.tensor(12)) is None
+    assert graphed.inputs((batch[0], batch[1], crowded), {"num_items": torch.tensor(12)}) is None
 
 
 NEW_FAMILIES = ["qwen3_tied_sliding_bias", "gemma2_tied_softcap_sliding", "gemma3_tied_two_ropes", "glm4_bias_untied",

@@ -142,7 +142,8 @@ class TrainConfig:
     cuda_graph: bool = _flag(False, "capture the training step (forward, backward, clipping, AdamW) once as a CUDA "
                                     "graph and replay it, so the GPU never waits for the host: one CUDA rank, "
                                     "--grad-accum 1, bf16 attention through FlashAttention (no soft-capping, no "
-                                    "dropout) or --attention causal")
+                                    "dropout) or --attention causal. A preference objective pads every micro-batch "
+                                    "to the longest the data can make")
     graph_documents: int = _flag(16, "--cuda-graph: room for this many documents per row in the captured step; a "
                                      "batch with more runs eagerly. Room costs: FlashAttention launches blocks for "
                                      "every empty sequence of the padding")
@@ -244,12 +245,9 @@ class TrainConfig:
         if self.lora_rank and self.random_init and not self.merge:
             raise TrainError("LoRA on a randomly initialised base (the demo, --from-scratch) needs --merge: OUT/final "
                              "holds only the adapter, and the random base is saved nowhere else")
-        if self.objective != "sft":
-            if self.cuda_graph:
-                raise TrainError(f"--cuda-graph captures the SFT step: --objective {self.objective} runs eagerly")
-            if self.attention != "documents":
-                raise TrainError(f"--objective {self.objective} packs whole sequences into a row: it needs "
-                                 "--attention documents, so no sequence attends to another")
+        if self.objective != "sft" and self.attention != "documents":
+            raise TrainError(f"--objective {self.objective} packs whole sequences into a row: it needs "
+                             "--attention documents, so no sequence attends to another")
         if not 0 < self.beta < math.inf:
             raise TrainError(f"--beta must be positive and finite, got {self.beta}")
         if self.label_smoothing and not (self.objective == "simpo" or (self.objective, self.dpo_loss) == (

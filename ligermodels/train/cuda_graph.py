@@ -36,11 +36,10 @@ import torch
 
 from kernels import AdamW
 from kernels.moe import grouped_gemm_device
-from ligermodels.attention import Documents, document_ids_from_positions, flash_varlen_takes, to_device
+from ligermodels.attention import flash_varlen_takes, to_device
 from ligermodels.config import DecoderConfig
 from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig, TrainError
-from ligermodels.train.objectives import sft_loss
 
 
 def _set_lrs(optimizer: torch.optim.Optimizer, lrs: list) -> None:
@@ -173,42 +172,35 @@ class GraphedStep:
     (:class:`CUDAGraphStep`) and replayed, so the GPU never waits for the host. Eagerly,
     a Qwen2-1.5B step (batch 4 x 2048, H100) left the GPU idle 39 ms of 193 (benchmarks/results/profiles).
 
-    The capture fixes the shapes: the batch's ids, labels and positions, and the documents' bounds padded to
-    ``--graph-documents`` sequences per row with the row length as the longest (:meth:`Documents.padded`: the
-    padding is empty sequences); a batch with more documents runs eagerly instead (:meth:`inputs` gives None).
-    Each param group's learning rate lives in a device tensor that every call fills from the schedule's float.
-    The first call captures (three warm-up steps at learning rate 0 first, which leave the weights and the
-    optimiser as they were), then replays: every step is the eager step's arithmetic."""
+    The capture fixes the shapes; the task (:class:`~ligermodels.train.objectives.SFTTask` or
+    :class:`~ligermodels.train.objectives.PreferenceTask`) makes every micro-batch alike in its ``graph_inputs``:
+    SFT pads the documents' bounds to ``--graph-documents`` sequences per row (a batch with more runs eagerly:
+    :meth:`inputs` gives None); a preference objective pads each packed row to the longest any micro-batch of the
+    data makes, with documents that no sum reads. Its ``graph_loss`` is the eager step's loss from the captured
+    buffers, with the step's stats (loss and metric sums) beside it. Each param group's learning rate lives in a
+    device tensor that every call fills from the schedule's float. The first call captures (three warm-up steps at
+    learning rate 0 first, which leave the weights and the optimiser as they were), then replays: every step is the
+    eager step's arithmetic."""
 
-    def __init__(self, model: CausalLM, optimizer: AdamW, config: TrainConfig, device: torch.device):
-        self.model, self.optimizer, self.config, self.device = model, optimizer, config, device
-        self.capacity = config.batch_size * config.graph_documents
+    def __init__(self, model: CausalLM, optimizer: AdamW, task, device: torch.device):
+        self.model, self.optimizer, self.task, self.device = model, optimizer, task, device
         self.lrs = [torch.tensor(float(g["lr"]), device=device) for g in optimizer.param_groups]
         self.graph: CUDAGraphStep | None = None
+        self.stats: torch.Tensor | None = None
 
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor, num_items: torch.Tensor,
-             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """The step's loss from the captured buffers (the eager step's ``model.loss`` call)."""
-        documents = None if cu_seqlens is None else Documents(document_ids_from_positions(positions), cu_seqlens,
-                                                              self.config.seq_len)
-        return sft_loss(self.model, self.config, input_ids, labels, positions, num_items, documents)
+    def loss(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The step's loss from the captured buffers; its stats kept in :attr:`stats` (the capture's last)."""
+        loss, self.stats = self.task.graph_loss(self.model, *inputs)
+        return loss
 
-    def inputs(self, batch: tuple[torch.Tensor, ...], num_items: torch.Tensor) -> list[torch.Tensor] | None:
-        """The host batch as the graph's inputs (pinned host tensors and the device token count), or None when
-        its documents do not fit the captured bounds."""
-        input_ids, labels, positions = batch
-        inputs = [input_ids, labels, positions]
-        if self.config.attention == "documents":
-            documents = Documents.from_positions(positions).padded(self.capacity, self.config.seq_len)
-            if documents is None:
-                return None
-            inputs.append(documents.cu_seqlens)
-        inputs = [t.pin_memory() if torch.cuda.is_available() else t for t in inputs]  # (CPU: tests only)
-        return inputs[:3] + [num_items] + inputs[3:]
+    def inputs(self, micro, counts: dict) -> list[torch.Tensor] | None:
+        """A micro-batch as the graph's inputs (pinned host tensors, device counts), or None when it does not fit
+        the captured shapes."""
+        return self.task.graph_inputs(micro, counts)
 
     def __call__(self, inputs: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step on ``inputs`` (:meth:`inputs`): (loss, gradient norm before clipping), device scalars that
-        the next call overwrites."""
+        """One step on ``inputs`` (:meth:`inputs`): (stats: the loss and the task's metric sums, gradient norm
+        before clipping), device tensors that the next call overwrites."""
         groups = self.optimizer.param_groups
         for lr, group in zip(self.lrs, groups, strict=True):
             lr.fill_(group["lr"])
@@ -222,6 +214,5 @@ class GraphedStep:
             finally:
                 for f, group in zip(floats, groups, strict=True):
                     group["lr"] = f
-        loss = self.graph(*inputs)
-        return loss, self.graph.after_backward_out
-
+        self.graph(*inputs)
+        return self.stats, self.graph.after_backward_out

@@ -169,7 +169,7 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     threads = torch.get_num_threads()
     if device.type == "cuda":
         torch.set_num_threads(1)
-    graphed = GraphedStep(model, optimizer, config, device) if config.cuda_graph else None
+    graphed = GraphedStep(model, optimizer, task, device) if config.cuda_graph else None
     warned_eager = False
     pending: list[tuple[int, torch.Tensor, float, object, dict]] = []  # (step, stats, lr, end mark, counts)
     clock = StepClock(device)
@@ -193,10 +193,9 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
             profiler.before(step + 1, device)
             micro, counts = task.batches(rows_consumed, rank, world, device)
             lr = scheduler.get_last_lr()[0]
-            replay = graphed.inputs(micro[0], counts["num_items"]) if graphed is not None else None
+            replay = graphed.inputs(micro[0], counts) if graphed is not None else None
             if replay is not None:  # --cuda-graph: the whole step, replayed
                 loss_sum, grad_norm = graphed(replay, max_norm)
-                loss_sum = loss_sum[None]
             else:
                 if graphed is not None and not warned_eager:
                     say(f"step {step + 1}: more documents than --graph-documents {config.graph_documents} per row "

@@ -15,12 +15,14 @@ The loop asks a task (:class:`SFTTask` or :class:`PreferenceTask`) for a step's 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.logprobs import sequence_sums
-from ligermodels.attention import Documents, to_device
+from ligermodels.attention import Documents, document_ids_from_positions, to_device
 from ligermodels.lora import adapters_disabled
 from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig
@@ -162,6 +164,31 @@ class SFTTask:
         """(loss,) of one micro-batch, after its backward."""
         return forward_backward(model, *micro, norms["num_items"], self.config, world, device)[None]
 
+    # -- --cuda-graph: the documents' bounds padded to the same shape
+    def graph_inputs(self, micro: tuple[torch.Tensor, ...], counts: dict) -> list[torch.Tensor] | None:
+        """A micro-batch of host rows as a captured step's inputs (ids, labels, positions, the device token count,
+        then the documents' bounds padded to ``batch x --graph-documents`` sequences with the row length as the
+        longest: :meth:`Documents.padded`), pinned; None when its documents do not fit that room."""
+        c = self.config
+        input_ids, labels, positions = micro
+        inputs = [input_ids, labels, positions]
+        if c.attention == "documents":
+            documents = Documents.from_positions(positions).padded(c.batch_size * c.graph_documents, c.seq_len)
+            if documents is None:
+                return None
+            inputs.append(documents.cu_seqlens)
+        inputs = [t.pin_memory() if torch.cuda.is_available() else t for t in inputs]  # (CPU: tests only)
+        return inputs[:3] + [counts["num_items"]] + inputs[3:]
+
+    def graph_loss(self, model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+                   num_items: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, (loss,)) of :meth:`graph_inputs` on the device: the eager step's :func:`sft_loss`."""
+        documents = None if cu_seqlens is None else Documents(document_ids_from_positions(positions), cu_seqlens,
+                                                              self.config.seq_len)
+        loss = sft_loss(model, self.config, input_ids, labels, positions, num_items, documents)
+        return loss, loss.detach()[None]
+
     def metrics(self, sums: list[float], norms: dict) -> dict:
         return {}
 
@@ -186,8 +213,10 @@ class PreferenceTask:
 
     def describe(self, global_rows: int) -> str:
         tokens = sum(len(s.ids) for e in self.examples for s in e.sequences)
+        graph = (f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} tokens "
+                 "(--cuda-graph)" if self.config.cuda_graph else "")
         return (f"{self.config.objective}: {len(self.examples)} examples, {tokens} tokens, global batch {global_rows} "
-                f"examples (sequences of at most {self.config.seq_len} tokens)")
+                f"examples (sequences of at most {self.config.seq_len} tokens){graph}")
 
     # -- data
     def batches(self, consumed: int, rank: int, world: int, device: torch.device) -> tuple[list, dict]:
@@ -215,7 +244,7 @@ class PreferenceTask:
         on the model's device."""
         tok = model.token_logprobs(rows.input_ids, rows.labels, rows.position_ids, rows.documents,
                                    strategy=self.strategy)
-        return tok, sequence_sums(tok, rows.segment, len(rows.lengths), rows.completion)
+        return tok, sequence_sums(tok, rows.segment, rows.count, rows.completion)
 
     @torch.no_grad()
     def reference_forward(self, model: CausalLM, batch: PreferenceBatch) -> torch.Tensor:
@@ -225,7 +254,7 @@ class PreferenceTask:
         with adapters_disabled(reference):  # LoRA: the base; a plain model has no adapters to disable
             first = self.sequence_logps(reference, batch.rows)[1]
             second = None if batch.kl is None else self.sequence_logps(reference, batch.kl)[1]
-        p = len(batch.index)
+        p = batch.size
         return torch.stack([first[:p], first[p:]] if second is None else [first, second], dim=1)
 
     def compute_reference_logps(self, model: CausalLM, rank: int, world: int, device: torch.device) -> torch.Tensor:
@@ -260,9 +289,16 @@ class PreferenceTask:
                          device: torch.device) -> torch.Tensor:
         """[loss, each metric's sum] of one micro-batch (loss already divided by the global counts), after its
         backward."""
-        c, p = self.config, len(batch.index)
         ref = (to_device(self.reference_logps[batch.index], device) if self.reference_logps is not None else None)
-        batch = batch.to(device)  # every tensor copied once, queued without a host sync
+        loss, stats = self.loss(model, batch.to(device), ref, norms, world)  # every tensor copied once, no sync
+        (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
+        return stats
+
+    def loss(self, model: CausalLM, batch: PreferenceBatch, ref: torch.Tensor | None, norms: dict, world: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, [loss, each metric's sum]) of one micro-batch on the device, the loss divided by the global counts
+        (``norms``); ``ref`` the stored reference log-probs (P, 2), or None to run the reference here."""
+        c, p = self.config, batch.size
         if ref is None and c.objective in WITH_REFERENCE:  # ORPO and SimPO have no reference
             ref = self.reference_forward(model, batch)
         tok, logps = self.sequence_logps(model, batch.rows)
@@ -295,9 +331,42 @@ class PreferenceTask:
             metrics["nll_loss"] = nll.detach()
         if aux is not None:  # each micro-batch's counted 1 / (micro-batches x ranks): a step weighs their mean
             loss = loss + model.config.router_aux_loss_coef * aux / (c.grad_accum * world)
-        (loss * world).backward()  # FSDP divides the summed gradients by world: this undoes it
         sums = [metrics[name].sum() for name in self.names]
-        return torch.stack([loss.detach(), *sums])
+        return loss, torch.stack([loss.detach(), *sums])
+
+    # -- --cuda-graph: every micro-batch padded to the same shapes
+    @functools.cached_property
+    def graph_room(self) -> tuple[int, int]:
+        """Row lengths that hold any micro-batch of the data (rows, KTO's KL rows; else 0): the ``--batch-size``
+        longest examples' tokens, rounded up to 64."""
+        b = self.config.batch_size
+        room = lambda lengths: -(-sum(sorted(lengths, reverse=True)[:b]) // 64) * 64  # noqa: E731
+        rows = room([sum(len(s.ids) for s in e.sequences) for e in self.examples])
+        return rows, (room([len(e.kl.ids) for e in self.examples]) if self.examples[0].kl is not None else 0)
+
+    def graph_inputs(self, batch: PreferenceBatch, counts: dict) -> list[torch.Tensor]:
+        """A micro-batch as a captured step's host inputs (pinned): its rows padded to :meth:`graph_room` (and KTO's
+        KL rows and labels), the stored reference log-probs, the step's chosen-NLL token count."""
+        rows, kl = self.graph_room
+        seq_len = self.config.seq_len
+        tensors = batch.rows.padded(rows, seq_len).flat()
+        if batch.kl is not None:
+            tensors += [*batch.kl.padded(kl, seq_len).flat(), batch.labels]
+        if self.reference_logps is not None:
+            tensors.append(self.reference_logps[batch.index])
+        tensors.append(torch.tensor(float(counts["nll_tokens"])))
+        return [t.pin_memory() if torch.cuda.is_available() else t for t in tensors]  # (CPU: tests only)
+
+    def graph_loss(self, model: CausalLM, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss` of :meth:`graph_inputs` on the device (one rank, one micro-batch a step)."""
+        c, n = self.config, len(PackedSequences.TENSORS) + 1
+        rows, rest = PackedSequences.from_flat(list(tensors[:n]), c.seq_len), tensors[n:]
+        kl = labels = None
+        if c.objective == "kto":
+            kl, labels, rest = PackedSequences.from_flat(list(rest[:n]), c.seq_len), rest[n], rest[n + 1:]
+        ref = rest[0] if self.reference_logps is not None else None
+        norms = {"pairs": c.batch_size, "examples": c.batch_size, "nll_tokens": rest[-1]}
+        return self.loss(model, PreferenceBatch(rows, None, kl, labels), ref, norms, 1)
 
     def metrics(self, sums: list[float], norms: dict) -> dict:
         """The step's TRL-named metrics from the summed stats (after the loss)."""

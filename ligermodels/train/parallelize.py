@@ -84,9 +84,15 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
     ``MLP.keep_activation``) instead of writing them again there: inside a checkpoint nothing saved
     outlives the layer's own backward, so recomputing them a second time would cost time for a saving
     of at most two (B, S, H) tensors during one layer's backward.
+
+    Each layer's input is the residual stream summed before the layer (``CausalLM.sum_residual``), so a
+    checkpoint keeps one (B, S, H) tensor a layer instead of the previous layer's output and the stream: at
+    Llama-3.1-8B, 256 KB a token over the 32 layers. The cost is an add before each layer and one more in
+    backward where the two gradients of the sum meet (the fused norm added them in its own pass).
     """
     if mode == "none":
         return
+    model.sum_residual = True
     kwargs = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts, selective_policy)}
     for i, layer in enumerate(model.layers):
         for m in layer.modules():

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ligermodels.attention import Documents, to_device
+from ligermodels.attention import Documents, document_ids_from_positions, to_device
 from ligermodels.train.chat import ChatTemplate, ChatTemplateError, check_messages
 from ligermodels.train.data import IGNORE_INDEX, DataError, chat_template, epoch_order, json_lines
 
@@ -234,8 +234,8 @@ class PackedSequences:
     """Sequences packed into one row (1, T): ``input_ids``, ``position_ids``; per position ``t`` (which predicts
     token ``t + 1``): ``labels`` (B, T) aligned with the inputs as for SFT (-100 at each sequence's first token),
     ``segment`` (T,) the sequence of the predicted token, ``completion`` (T,) whether it is a completion token;
-    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`), ``lengths`` (n,) tokens per
-    sequence, and ``documents`` (the sequences' bounds, found on the host for the attention kernel)."""
+    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`), and ``documents`` (the sequences'
+    bounds, found on the host for the attention kernel)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -244,7 +244,6 @@ class PackedSequences:
     completion: torch.Tensor
     completion_lens: torch.Tensor
     predicted_lens: torch.Tensor
-    lengths: torch.Tensor
     documents: Documents
 
     @classmethod
@@ -264,14 +263,47 @@ class PackedSequences:
         segment[:-1] = seg[1:]
         return cls(ids[None], pos[None], labels[None], segment, completion,
                    torch.tensor([float(s.completion_len) for s in sequences]),
-                   torch.tensor([float(s.predicted_len) for s in sequences]), lengths,
-                   Documents.from_positions(pos[None]))
+                   torch.tensor([float(s.predicted_len) for s in sequences]), Documents.from_positions(pos[None]))
+
+    @property
+    def count(self) -> int:
+        """n, the number of sequences."""
+        return self.completion_lens.numel()
 
     def to(self, device: torch.device) -> PackedSequences:
-        """Every tensor on ``device`` (``lengths`` stays on the host), each copied once, without a host sync."""
-        moved = {f.name: to_device(getattr(self, f.name), device) for f in dataclasses.fields(self)
-                 if f.name not in ("lengths", "documents")}
+        """Every tensor on ``device``, each copied once, without a host sync."""
+        moved = {name: to_device(getattr(self, name), device) for name in self.TENSORS}
         return dataclasses.replace(self, **moved, documents=self.documents.to(device))
+
+    # -- the fixed shapes of a CUDA graph (--cuda-graph)
+    TENSORS = ("input_ids", "position_ids", "labels", "segment", "completion", "completion_lens", "predicted_lens")
+
+    def padded(self, length: int, seq_len: int) -> PackedSequences:
+        """The same sequences in a row of ``length`` tokens: the rest is filled with documents of at most ``seq_len``
+        tokens (token 0, no labels, no completion), so attention stays within each and none of their log-probs
+        reaches a sum; the bounds have room for ``n + ceil(length / seq_len)`` sequences (the unused ones empty) and
+        ``seq_len`` as the longest. So every micro-batch of a run has the same shapes, and the sequences' log-probs
+        are those of the unpadded row."""
+        t = self.input_ids.shape[1]
+        if t > length:
+            raise ValueError(f"a row of {t} tokens does not fit {length}")
+        pad = length - t
+        grow = lambda x, value: torch.cat([x, x.new_full((*x.shape[:-1], pad), value)], dim=-1)  # noqa: E731
+        positions = torch.cat([self.position_ids, (torch.arange(pad) % seq_len)[None]], dim=1)
+        documents = Documents.from_positions(positions).padded(self.count + -(-length // seq_len), seq_len)
+        return dataclasses.replace(self, input_ids=grow(self.input_ids, 0), position_ids=positions,
+                                   labels=grow(self.labels, IGNORE_INDEX), segment=grow(self.segment, 0),
+                                   completion=grow(self.completion, False), documents=documents)
+
+    def flat(self) -> list[torch.Tensor]:
+        """The tensors a captured step reads (:attr:`TENSORS`, then the bounds): :meth:`from_flat` rebuilds it."""
+        return [getattr(self, name) for name in self.TENSORS] + [self.documents.cu_seqlens]
+
+    @classmethod
+    def from_flat(cls, tensors: list[torch.Tensor], max_len: int) -> PackedSequences:
+        *fields, cu_seqlens = tensors
+        kw = dict(zip(cls.TENSORS, fields, strict=True))
+        return cls(**kw, documents=Documents(document_ids_from_positions(kw["position_ids"]), cu_seqlens, max_len))
 
 
 @dataclass
@@ -283,6 +315,11 @@ class PreferenceBatch:
     index: torch.Tensor
     kl: PackedSequences | None = None
     labels: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """P, the examples (pairs) of the micro-batch."""
+        return self.rows.count if self.kl is not None else self.rows.count // 2
 
     def to(self, device: torch.device) -> PreferenceBatch:
         """The batch's tensors on ``device`` (``index`` stays on the host: it indexes host tensors)."""
