@@ -863,7 +863,7 @@ def test_checkpointed_layers_keep_one_hidden_sized_tensor_each_for_backward(chec
         hidden = []
 
         def pack(t, hidden=hidden):
-            if t.shape[-1] == model.config.hidden_size and t.numel() == ids.numel() * model.config.hidden_size:
+            if t.dim() and t.shape[-1] == model.config.hidden_size and t.numel() == ids.numel() * t.shape[-1]:
                 hidden.append(t.data_ptr())
             return t
 
