@@ -758,6 +758,12 @@ def decode_table(d: dict) -> str:
     return "\n".join(lines + _sources([d]))
 
 
+def _all(prefix: str, table) -> str:
+    """Every ``<prefix>-*.json`` file's table, newest first (each file one machine's comparisons)."""
+    files = _files(prefix)
+    return "\n\n".join(table(d) for d in files) if files else "No results committed yet."
+
+
 def _newest(prefix: str, table) -> str:
     d = _latest(prefix)
     return table(d) if d else "No results committed yet."
@@ -1086,7 +1092,7 @@ def blocks() -> dict[str, str]:
     return {"headline": headline(), "summary": summary(), "training": training(), "lora": lora(), "step": step(),
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
-            "decode": _newest("decode", decode_table), "preference": _newest("preference", preference_table),
+            "decode": _newest("decode", decode_table), "preference": _all("preference", preference_table),
             "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table), "fp8": fp8(), "qlora": qlora()}
 
 
