@@ -932,7 +932,8 @@ def _qlora_max_batch(d: dict) -> list[str]:
              f"{fits[0]['seq']}, activation checkpointing `{fits[0]['ac']}`, {fits[0].get('steps_per_try', 2)} "
              "optimiser steps a try; doubling, then bisection to the boundary, one process per implementation"
              + (", its memory capped by `torch.cuda.set_per_process_memory_fraction`" if cap else "") + ".", "",
-             "| model | run | largest micro-batch | its peak memory (GB) | first out of memory |", "|---|---|---|---|---|"]
+             "| model | run | largest micro-batch | its peak memory (GB) | first out of memory |",
+             "|---|---|---|---|---|"]
     for f in fits:
         name = _QLORA_IMPLS.get(f["impl"], f["impl"])
         if "error" in f:

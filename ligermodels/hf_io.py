@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -48,7 +48,7 @@ def _checked_config(directory: str, repo_or_dir: str, expect: type[CausalLM] | N
 
 def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
             revision: str | None = None, expect: type[CausalLM] | None = None,
-            quantize: str | None = None) -> CausalLM:
+            quantize: str | None = None, each_layer: Callable[[CausalLM, int], None] | None = None) -> CausalLM:
     """Load an HF checkpoint into the family's model class (what ``CausalLM.from_hf`` calls).
 
     Args:
@@ -62,6 +62,11 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
             4-bit base; embeddings, norms and the head stay in ``dtype`` (as transformers + bitsandbytes leave
             them). Each weight is read, cast to ``dtype`` and quantised on ``device`` one at a time: neither the
             host nor the device holds the dense model.
+        each_layer: called as ``each_layer(model, i)`` once decoder layer ``i``'s weights are in place, layer by
+            layer, before the next layer's are read (the weights outside the layers come first); with
+            ``quantize``, a caller that shards each layer there (``ligermodels.train``'s QLoRA under FSDP2) never
+            holds more than one layer's weights whole. Nothing here keeps a reference to a layer's weights after
+            its call.
     Returns:
         The model in eval mode, with ``source_dir`` set to the checkpoint's directory.
 
@@ -115,16 +120,23 @@ def load_hf(repo_or_dir: str, dtype: torch.dtype | str | None = None, device: st
         dtype = dtype or reader.stored_dtype()
         quantized = _make_room(model, quantize)
         model = model.to(dtype=dtype).to_empty(device=device)
-        params = {name: p.view(shapes[name]) for name, p in model.named_parameters() if name not in quantized}
+        by_layer: dict[int | None, list] = {}  # the pieces of each layer (None: outside the layers), in order
+        for piece in pieces:
+            layer = re.match(r"layers\.(\d+)\.", piece[0])
+            by_layer.setdefault(layer and int(layer.group(1)), []).append(piece)
         with torch.no_grad():
-            for name, hf_name, offset, size in pieces:
-                if name not in quantized:
-                    params[name][offset:offset + size].copy_(reader.tensor(hf_name))
-            for name in quantized:  # one weight at a time: its parts read, cast on the device, quantised
-                parts = [p for p in pieces if p[0] == name]
-                dense = torch.cat([reader.tensor(p[1]).to(device, dtype) for p in parts])
-                _set_weight(model, name, quantize_nf4(dense, [p[3] for p in parts]))
-                del dense
+            for layer in [None, *range(config.num_layers)]:
+                layer_pieces = by_layer.get(layer, [])
+                for name, hf_name, offset, size in layer_pieces:
+                    if name not in quantized:
+                        model.get_parameter(name).view(shapes[name])[offset:offset + size].copy_(reader.tensor(hf_name))
+                for name in dict.fromkeys(p[0] for p in layer_pieces if p[0] in quantized):  # one weight at a time:
+                    parts = [p for p in layer_pieces if p[0] == name]  # its parts read, cast on the device, quantised
+                    dense = torch.cat([reader.tensor(p[1]).to(device, dtype) for p in parts])
+                    _set_weight(model, name, quantize_nf4(dense, [p[3] for p in parts]))
+                    del dense
+                if layer is not None and each_layer is not None:
+                    each_layer(model, layer)
     model.init_buffers()
     model.source_dir = directory
     return model.eval()

@@ -179,22 +179,36 @@ def test_qlora_training_exports_an_adapter_peft_loads_on_bitsandbytes_and_a_merg
         (final / "adapter_model.safetensors").read_bytes()
 
 
-def test_fsdp2_shards_the_4bit_base_as_bf16_storage_and_computes_the_same_loss(checkpoint, data, workdir):
-    """shard() keeps each NF4 weight as a flat bf16 Parameter of its bytes (``weight_nf4``), sharded by FSDP2 like any
-    frozen weight; the layer's hook reads the gathered bytes back as the NF4 weight: the same loss and adapter
-    gradients as the unsharded model (one rank, gloo)."""
+def test_fsdp2_shards_the_4bit_base_as_bf16_storage_and_computes_the_same_loss(checkpoint, data, workdir,
+                                                                                 monkeypatch):
+    """Each layer is sharded as soon as it is read, before the next layer's weights exist (so a rank never holds the
+    whole 4-bit base); each NF4 weight is kept as a flat bf16 Parameter of its bytes (``weight_nf4``), sharded by
+    FSDP2 like any frozen weight; the layer's hook reads the gathered bytes back as the NF4 weight: the same loss and
+    adapter gradients as the unsharded model (one rank, gloo)."""
     from torch.distributed.tensor import DTensor
 
+    import ligermodels.train.parallelize as parallelize
     from ligermodels.train.data import load_inputs
-    from ligermodels.train.parallelize import build_quantized_model, shard
+    from ligermodels.train.parallelize import build_quantized_model
+
+    order, shard_layer = [], parallelize.shard_layer
+
+    def spy(model, i, config, mesh):
+        later = [model.layers[j].attn.qkv.weight for j in range(i + 1, len(model.layers))]
+        order.append((i, all(w.numel() == 0 for w in later)))  # later layers: still empty placeholders
+        shard_layer(model, i, config, mesh)
+
+    monkeypatch.setattr(parallelize, "shard_layer", spy)
 
     args = parse_args([*_flags(checkpoint, data, workdir / "qlora-shard"), "--quantize", "nf4", "--lora-rank", "4"])
     torch.distributed.init_process_group("gloo", init_method=f"file://{workdir / 'qlora-shard.store'}", rank=0,
                                          world_size=1)
     try:
         inputs = load_inputs(args)
-        plain, sharded = (build_quantized_model(inputs, args, 1, torch.device("cpu")) for _ in range(2))
-        shard(sharded, args, 1, torch.device("cpu"))
+        plain = build_quantized_model(inputs, args, 1, torch.device("cpu"))
+        assert not order
+        sharded = build_quantized_model(inputs, args, 1, torch.device("cpu"), sharded=True)
+        assert order == [(i, True) for i in range(len(plain.layers))] and len(order) > 1
         storage = sharded.layers[0].attn.qkv.weight_nf4
         assert isinstance(storage, DTensor) and storage.dtype == torch.bfloat16 and storage.dim() == 1
         assert "weight" not in dict(sharded.layers[0].attn.qkv.named_parameters(recurse=False))

@@ -862,8 +862,8 @@ def test_checkpointed_layers_keep_one_hidden_sized_tensor_each_for_backward(chec
         model.sum_residual = summed
         hidden = []
 
-        def pack(t, hidden=hidden):
-            if t.dim() and t.shape[-1] == model.config.hidden_size and t.numel() == ids.numel() * t.shape[-1]:
+        def pack(t, hidden=hidden, width=model.config.hidden_size):
+            if t.dim() and t.shape[-1] == width and t.numel() == ids.numel() * width:
                 hidden.append(t.data_ptr())
             return t
 

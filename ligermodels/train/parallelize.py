@@ -90,17 +90,23 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
     Llama-3.1-8B, 256 KB a token over the 32 layers. The cost is an add before each layer and one more in
     backward where the two gradients of the sum meet (the fused norm added them in its own pass).
     """
+    for i in range(len(model.layers)):
+        checkpoint_layer(model, i, mode)
+
+
+def checkpoint_layer(model: CausalLM, i: int, mode: str) -> None:
+    """:func:`apply_activation_checkpointing` for layer ``i`` alone (the model's ``sum_residual`` set)."""
     if mode == "none":
         return
     model.sum_residual = True
     kwargs = {} if mode == "full" else {"context_fn": partial(create_selective_checkpoint_contexts, selective_policy)}
-    for i, layer in enumerate(model.layers):
-        for m in layer.modules():
-            if isinstance(m, RMSNorm):
-                m.keep_output = True
-            elif isinstance(m, MLP):
-                m.keep_activation = True
-        model.layers[i] = checkpoint_wrapper(layer, **kwargs)
+    layer = model.layers[i]
+    for m in layer.modules():
+        if isinstance(m, RMSNorm):
+            m.keep_output = True
+        elif isinstance(m, MLP):
+            m.keep_activation = True
+    model.layers[i] = checkpoint_wrapper(layer, **kwargs)
 
 
 def lora_options(config: TrainConfig) -> dict:
@@ -179,30 +185,48 @@ def build_model(inputs: Inputs, config: TrainConfig, rank: int, world: int, devi
     return model.eval() if frozen else model.train()
 
 
-def build_quantized_model(inputs: Inputs, config: TrainConfig, world: int, device: torch.device) -> CausalLM:
+def build_quantized_model(inputs: Inputs, config: TrainConfig, world: int, device: torch.device,
+                          sharded: bool | None = None) -> CausalLM:
     """QLoRA: every rank reads the checkpoint straight onto its ``device`` in the compute dtype, its decoder
     projections quantised there one weight at a time (``from_hf(..., quantize=...)``; the same bits on every rank),
     or draws the init from ``--seed`` and quantises it; the adapters are drawn on the host from ``--seed`` (the same
-    as a bf16 LoRA run's) and kept fp32 on ``device``. Several ranks: each rank holds the whole 4-bit base until
-    :func:`shard` shards it with the rest (its bytes as a bf16 tensor, :func:`nf4_to_storage`)."""
+    as a bf16 LoRA run's) and kept fp32 on ``device``.
+
+    ``sharded`` (default: several ranks): each layer is checkpointed and sharded by FSDP2 as soon as its weights are
+    read (:func:`shard_layer`, its NF4 bytes as a bf16 tensor: :func:`nf4_to_storage`), before the next layer is
+    read, so a rank holds the 4-bit base's shards plus one layer whole, not the whole 4-bit base (about 35 GB at
+    70B parameters); the rest is sharded at the end (:func:`shard_rest`). A drawn init is quantised whole first."""
     dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
+    sharded = world > 1 if sharded is None else sharded
+    mesh = init_device_mesh(device.type, (world,)) if sharded else None
+
+    def each_layer(model: CausalLM, i: int) -> None:  # adapters (drawn in layer order), checkpoint, shard
+        add_lora(model.layers[i], device="cpu", **lora_options(config))
+        for m in lora_modules(model.layers[i]).values():
+            m.lora_A, m.lora_B = (torch.nn.Parameter(p.detach().to(device)) for p in (m.lora_A, m.lora_B))
+        checkpoint_layer(model, i, config.ac)
+        if sharded:
+            shard_layer(model, i, config, mesh)
+
     try:
+        torch.manual_seed(config.seed)  # the adapters' draws, layer after layer: add_lora's order on the whole model
         if inputs.weights_dir is not None:
-            model = load_hf(inputs.weights_dir, dtype=dtype, device=device, quantize=config.quantize)
+            model = load_hf(inputs.weights_dir, dtype=dtype, device=device, quantize=config.quantize,
+                            each_layer=each_layer)
         else:
-            torch.manual_seed(config.seed)
             with torch.device(init_device(inputs.config, device)):
                 model = inputs.cls(inputs.config).init_weights()
             model = quantize_model(model.to(device=device, dtype=dtype), config.quantize)
+            torch.manual_seed(config.seed)
+            for i in range(len(model.layers)):
+                each_layer(model, i)
     except (CheckpointError, UnsupportedConfigError, ValueError) as e:
         raise TrainError(str(e)) from None
-    torch.manual_seed(config.seed)
-    add_lora(model, device="cpu", **lora_options(config))  # (freezes the base)
-    for m in lora_modules(model).values():
-        m.lora_A, m.lora_B = (torch.nn.Parameter(p.detach().to(device)) for p in (m.lora_A, m.lora_B))
-    apply_activation_checkpointing(model, config.ac)
-    if world > 1:
-        shard(model, config, world, device)
+    adapters = {p for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)}
+    for p in model.parameters():  # each layer's were frozen by add_lora; the embedding, final norm and head here
+        p.requires_grad_(p in adapters)
+    if sharded:
+        shard_rest(model, config, mesh)
     model.init_buffers()
     return model.train()
 
@@ -250,8 +274,8 @@ def load_full_state(model: torch.nn.Module, full_state: dict[str, torch.Tensor],
 
 
 def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device) -> None:
-    """FSDP2 over ``world`` ranks: one unit per decoder layer, one for an untied output head, the root holding
-    the embedding (with a tied head) and the final norm.
+    """FSDP2 over ``world`` ranks: one unit per decoder layer (:func:`shard_layer`), one for an untied output head,
+    the root holding the embedding (with a tied head) and the final norm (:func:`shard_rest`).
 
     bf16 compute with fp32 gradient reduction; the cos/sin tables stay fp32 (layer inputs are not cast).
     The head is a unit of its own so that its gradient (a (V, H) fp32 reduce-scatter, 2.1 GB at Llama-3's
@@ -263,22 +287,36 @@ def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device
     gather is issued when the host reaches it).
     """
     mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if config.dtype == "bf16" else None,
-                              reduce_dtype=torch.float32, cast_forward_inputs=False)
-    quantized = nf4_to_storage(model)
-    layers = list(model.layers)
-    for i, layer in enumerate(layers):
-        reshard = {"default": i < len(layers) - 1, "always": True, "never": False}[config.reshard_after_forward]
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-        mine = [m for m in layer.modules() if m in quantized]
-        if mine:  # after FSDP2's own hook (registered first) has gathered the layer's weights
-            layer.register_forward_pre_hook(lambda _module, _args, mine=mine: _nf4_views(mine))
-    units = layers
+    for i in range(len(model.layers)):
+        shard_layer(model, i, config, mesh)
+    shard_rest(model, config, mesh)
+
+
+def _mixed_precision(config: TrainConfig) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if config.dtype == "bf16" else None,
+                                reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def shard_layer(model: CausalLM, i: int, config: TrainConfig, mesh) -> None:
+    """Decoder layer ``i`` as an FSDP2 unit of its own; its NF4 weights first kept as bf16 bytes
+    (:func:`nf4_to_storage`), read back as NF4 views by a pre-hook once FSDP2 has gathered them."""
+    layer = model.layers[i]
+    quantized = nf4_to_storage(layer)
+    reshard = {"default": i < len(model.layers) - 1, "always": True, "never": False}[config.reshard_after_forward]
+    fully_shard(layer, mesh=mesh, mp_policy=_mixed_precision(config), reshard_after_forward=reshard)
+    if quantized:  # after FSDP2's own hook (registered first) has gathered the layer's weights
+        layer.register_forward_pre_hook(lambda _module, _args, mine=list(quantized): _nf4_views(mine))
+
+
+def shard_rest(model: CausalLM, config: TrainConfig, mesh) -> None:
+    """After :func:`shard_layer` on every layer: the untied head as a unit, the root, and ``--prefetch``."""
+    mp = _mixed_precision(config)
+    units = list(model.layers)
     if model.head is not None:
         fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
         for method in ("loss", "logprobs"):  # the loss head calls these, not forward()
             register_fsdp_forward_method(model.head, method)
-        units = [*layers, model.head]
+        units.append(model.head)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     for method in ("loss", "token_logprobs"):  # called instead of forward()
         register_fsdp_forward_method(model, method)
