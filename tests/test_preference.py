@@ -178,7 +178,8 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
     """--cuda-graph's step (:meth:`PreferenceTask.graph_loss` on :meth:`graph_inputs`: rows padded to the longest
     micro-batch the data makes, counts as device tensors) gives the eager step's loss, metric sums and gradients."""
     options, kind, _ = CASES[case]
-    records = UNPAIRED if kind == "kto" else PAIRS
+    key = "completion" if kind == "kto" else "chosen"  # examples of different lengths
+    records = [{**r, key: r[key] + " and so on" * i} for i, r in enumerate(UNPAIRED if kind == "kto" else PAIRS)]
     task, model = _ours(_tiny_checkpoint(tmp_path, "llama3"), _write(tmp_path / "data.jsonl", records), options,
                         str(tmp_path / "out"), 2)
     if kind in ("dpo", "kto"):
@@ -196,6 +197,15 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
     assert stats.shape == eager.shape and rel_err(stats, eager) <= 1e-6, (stats, eager)
     for n, p in model.named_parameters():
         assert rel_err(p.grad, eager_grads[n]) <= 1e-5, n
+
+    # the room holds distinct examples; one repeated across an epoch boundary may not fit: that step runs eagerly
+    lengths = [sum(len(s.ids) for s in e.sequences) for e in task.examples]
+    longest, shortest = max(range(len(lengths)), key=lengths.__getitem__), min(range(len(lengths)),
+                                                                                key=lengths.__getitem__)
+    assert lengths[longest] > lengths[shortest]
+    task.graph_room = (lengths[longest] + lengths[shortest], task.graph_room[1] and 10_000)
+    assert task.graph_inputs(make_batch(task.examples, [longest, shortest]), counts) is not None
+    assert task.graph_inputs(make_batch(task.examples, [longest, longest]), counts) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

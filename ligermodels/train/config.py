@@ -143,7 +143,7 @@ class TrainConfig:
                                     "graph and replay it, so the GPU never waits for the host: one CUDA rank, "
                                     "--grad-accum 1, bf16 attention through FlashAttention (no soft-capping, no "
                                     "dropout) or --attention causal. A preference objective pads every micro-batch "
-                                    "to the longest the data can make")
+                                    "to the longest that distinct examples of the data make")
     graph_documents: int = _flag(16, "--cuda-graph: room for this many documents per row in the captured step; a "
                                      "batch with more runs eagerly. Room costs: FlashAttention launches blocks for "
                                      "every empty sequence of the padding")

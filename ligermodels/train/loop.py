@@ -198,8 +198,7 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
                 loss_sum, grad_norm = graphed(replay, max_norm)
             else:
                 if graphed is not None and not warned_eager:
-                    say(f"step {step + 1}: more documents than --graph-documents {config.graph_documents} per row "
-                        "leave room for: run eagerly (warned once)")
+                    say(f"step {step + 1}: {task.graph_misfit}: run eagerly (warned once)")
                     warned_eager = True
                 loss_sum = 0
                 for batch in micro:

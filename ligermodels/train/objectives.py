@@ -142,6 +142,11 @@ class SFTTask:
     """Supervised fine-tuning's steps: packed rows (:class:`ligermodels.train.data.PackedRows`), the token-mean
     cross-entropy (:func:`sft_loss`). ``consumed`` counts rows."""
 
+    @property
+    def graph_misfit(self) -> str:
+        """Why a micro-batch runs eagerly under --cuda-graph (printed once)."""
+        return f"more documents than --graph-documents {self.config.graph_documents} per row leave room for"
+
     def __init__(self, config: TrainConfig, rows):
         self.config, self.rows = config, rows
 
@@ -335,20 +340,27 @@ class PreferenceTask:
         return loss, torch.stack([loss.detach(), *sums])
 
     # -- --cuda-graph: every micro-batch padded to the same shapes
+    #: why a micro-batch runs eagerly under --cuda-graph (printed once)
+    graph_misfit = "an example repeated across an epoch boundary makes a row longer than the captured one"
+
     @functools.cached_property
     def graph_room(self) -> tuple[int, int]:
-        """Row lengths that hold any micro-batch of the data (rows, KTO's KL rows; else 0): the ``--batch-size``
-        longest examples' tokens, rounded up to 64."""
+        """Row lengths that hold a micro-batch of distinct examples (rows, KTO's KL rows; else 0): the
+        ``--batch-size`` longest examples' tokens, rounded up to 64. A micro-batch that straddles an epoch boundary
+        may hold one example twice and need more: it runs eagerly."""
         b = self.config.batch_size
         room = lambda lengths: -(-sum(sorted(lengths, reverse=True)[:b]) // 64) * 64  # noqa: E731
         rows = room([sum(len(s.ids) for s in e.sequences) for e in self.examples])
         return rows, (room([len(e.kl.ids) for e in self.examples]) if self.examples[0].kl is not None else 0)
 
-    def graph_inputs(self, batch: PreferenceBatch, counts: dict) -> list[torch.Tensor]:
+    def graph_inputs(self, batch: PreferenceBatch, counts: dict) -> list[torch.Tensor] | None:
         """A micro-batch as a captured step's host inputs (pinned): its rows padded to :meth:`graph_room` (and KTO's
-        KL rows and labels), the stored reference log-probs, the step's chosen-NLL token count."""
+        KL rows and labels), the stored reference log-probs, the step's chosen-NLL token count; None when it is
+        longer than that room."""
         rows, kl = self.graph_room
         seq_len = self.config.seq_len
+        if batch.rows.input_ids.shape[1] > rows or (batch.kl is not None and batch.kl.input_ids.shape[1] > kl):
+            return None
         tensors = batch.rows.padded(rows, seq_len).flat()
         if batch.kl is not None:
             tensors += [*batch.kl.padded(kl, seq_len).flat(), batch.labels]
