@@ -232,10 +232,13 @@ def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: s
            *(["--cuda-graph"] if impl.endswith("-graph") else []),
            *(["--fp8", "rowwise"] if impl.endswith("-fp8") else []),
            *(["--quantize", "nf4"] if impl.startswith("ligermodels-qlora") else [])]
-    if lora:
-        cmd += ["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
-                str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])]
-    return cmd + (["--profile"] if profile else [])
+    return cmd + (lora_flags() if lora else []) + (["--profile"] if profile else [])
+
+
+def lora_flags() -> list[str]:
+    """:data:`LORA` as ``ligermodels.train`` flags."""
+    return ["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
+            str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])]
 
 
 def run_ligermodels(args, impl: str, model_dir: str, data: str, batch: int, out: str, profile: bool) -> dict:

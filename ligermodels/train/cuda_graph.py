@@ -175,8 +175,9 @@ class GraphedStep:
     The capture fixes the shapes; the task (:class:`~ligermodels.train.objectives.SFTTask` or
     :class:`~ligermodels.train.objectives.PreferenceTask`) makes every micro-batch alike in its ``graph_inputs``:
     SFT pads the documents' bounds to ``--graph-documents`` sequences per row (a batch with more runs eagerly:
-    :meth:`inputs` gives None); a preference objective pads each packed row to the longest any micro-batch of the
-    data makes, with documents that no sum reads. Its ``graph_loss`` is the eager step's loss from the captured
+    :meth:`inputs` gives None); a preference objective pads each packed row to the longest that distinct examples of
+    the data make, with documents that no sum reads (a longer micro-batch, an example repeated across an epoch
+    boundary, runs eagerly). Its ``graph_loss`` is the eager step's loss from the captured
     buffers, with the step's stats (loss and metric sums) beside it. Each param group's learning rate lives in a
     device tensor that every call fills from the schedule's float. The first call captures (three warm-up steps at
     learning rate 0 first, which leave the weights and the optimiser as they were), then replays: every step is the

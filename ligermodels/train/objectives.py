@@ -56,6 +56,12 @@ def forward_backward(model: CausalLM, input_ids: torch.Tensor, labels: torch.Ten
     return loss.detach()
 
 
+def pinned(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host tensors in pinned memory, which a CUDA graph's input copies read without waiting (a machine without
+    CUDA, the tests', keeps them as they are)."""
+    return [t.pin_memory() for t in tensors] if torch.cuda.is_available() else tensors
+
+
 # ------------------------------------------------------------------------------------------ preferences
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, stable on both sides of -ln 2."""
@@ -142,11 +148,6 @@ class SFTTask:
     """Supervised fine-tuning's steps: packed rows (:class:`ligermodels.train.data.PackedRows`), the token-mean
     cross-entropy (:func:`sft_loss`). ``consumed`` counts rows."""
 
-    @property
-    def graph_misfit(self) -> str:
-        """Why a micro-batch runs eagerly under --cuda-graph (printed once)."""
-        return f"more documents than --graph-documents {self.config.graph_documents} per row leave room for"
-
     def __init__(self, config: TrainConfig, rows):
         self.config, self.rows = config, rows
 
@@ -170,6 +171,11 @@ class SFTTask:
         return forward_backward(model, *micro, norms["num_items"], self.config, world, device)[None]
 
     # -- --cuda-graph: the documents' bounds padded to the same shape
+    @property
+    def graph_misfit(self) -> str:
+        """Why a micro-batch runs eagerly under --cuda-graph (printed once)."""
+        return f"more documents than --graph-documents {self.config.graph_documents} per row leave room for"
+
     def graph_inputs(self, micro: tuple[torch.Tensor, ...], counts: dict) -> list[torch.Tensor] | None:
         """A micro-batch of host rows as a captured step's inputs (ids, labels, positions, the device token count,
         then the documents' bounds padded to ``batch x --graph-documents`` sequences with the row length as the
@@ -182,7 +188,7 @@ class SFTTask:
             if documents is None:
                 return None
             inputs.append(documents.cu_seqlens)
-        inputs = [t.pin_memory() if torch.cuda.is_available() else t for t in inputs]  # (CPU: tests only)
+        inputs = pinned(inputs)
         return inputs[:3] + [counts["num_items"]] + inputs[3:]
 
     def graph_loss(self, model: CausalLM, input_ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
@@ -367,7 +373,7 @@ class PreferenceTask:
         if self.reference_logps is not None:
             tensors.append(self.reference_logps[batch.index])
         tensors.append(torch.tensor(float(counts["nll_tokens"])))
-        return [t.pin_memory() if torch.cuda.is_available() else t for t in tensors]  # (CPU: tests only)
+        return pinned(tensors)
 
     def graph_loss(self, model: CausalLM, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`loss` of :meth:`graph_inputs` on the device (one rank, one micro-batch a step)."""

@@ -265,6 +265,9 @@ class PackedSequences:
                    torch.tensor([float(s.completion_len) for s in sequences]),
                    torch.tensor([float(s.predicted_len) for s in sequences]), Documents.from_positions(pos[None]))
 
+    #: The tensor fields, in the order :meth:`flat` lists them
+    TENSORS = ("input_ids", "position_ids", "labels", "segment", "completion", "completion_lens", "predicted_lens")
+
     @property
     def count(self) -> int:
         """n, the number of sequences."""
@@ -276,8 +279,6 @@ class PackedSequences:
         return dataclasses.replace(self, **moved, documents=self.documents.to(device))
 
     # -- the fixed shapes of a CUDA graph (--cuda-graph)
-    TENSORS = ("input_ids", "position_ids", "labels", "segment", "completion", "completion_lens", "predicted_lens")
-
     def padded(self, length: int, seq_len: int) -> PackedSequences:
         """The same sequences in a row of ``length`` tokens: the rest is filled with documents of at most ``seq_len``
         tokens (token 0, no labels, no completion), so attention stays within each and none of their log-probs
