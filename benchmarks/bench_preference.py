@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.bench_train import LORA, ensure_base, lora_flags, peft_model, run_child, summarize
+from benchmarks.bench_train import LORA, ensure_base, lora_flags, lora_modules, peft_model, run_child, summarize
 from benchmarks.common import MODELS, RESULTS, SPECIALS, environment, write_model_dir, write_results
 
 #: ours (eager, and with the step replayed from a CUDA graph: ``--cuda-graph``), then TRL's variants
@@ -82,7 +82,7 @@ def write_inputs(work: str, model: str, pairs: int, prompt_words: int, completio
 
 
 def ours_command(args, model_dir: str, data: str, out: str) -> list[str]:
-    lora = lora_flags() if args.lora else ["--from-scratch"]
+    lora = lora_flags(lora_modules(MODELS[args.model])) if args.lora else ["--from-scratch"]
     return [sys.executable, "-m", "ligermodels.train", "--model", model_dir, *lora, "--data", data,
             "--out", out, "--overwrite", "--objective", args.objective, "--reference", args.reference,
             "--batch-size", str(args.batch), "--steps", str(args.steps), "--seq-len", str(args.seq), "--lr", str(LR),

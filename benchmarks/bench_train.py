@@ -232,13 +232,23 @@ def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: s
            *(["--cuda-graph"] if impl.endswith("-graph") else []),
            *(["--fp8", "rowwise"] if impl.endswith("-fp8") else []),
            *(["--quantize", "nf4"] if impl.startswith("ligermodels-qlora") else [])]
-    return cmd + (lora_flags() if lora else []) + (["--profile"] if profile else [])
+    targets = lora_modules(MODELS[args.runs[0][0]])  # one set a call (parse_args)
+    return cmd + (lora_flags(targets) if lora else []) + (["--profile"] if profile else [])
 
 
-def lora_flags() -> list[str]:
-    """:data:`LORA` as ``ligermodels.train`` flags."""
+def lora_modules(config: dict) -> tuple[str, ...]:
+    """The projections LoRA adapts on a model of Hugging Face config ``config`` (a dict): :data:`LORA`'s seven, or
+    on a mixture-of-experts model the attention's four. transformers keeps each layer's experts as stacked
+    parameters, not ``nn.Linear`` modules, so PEFT's ``target_modules`` cannot reach them (its
+    ``target_parameters`` can, another comparison)."""
+    moe = config.get("num_experts") or config.get("num_local_experts")
+    return LORA["targets"][:4] if moe else LORA["targets"]
+
+
+def lora_flags(targets: tuple[str, ...] = LORA["targets"]) -> list[str]:
+    """:data:`LORA` as ``ligermodels.train`` flags, on ``targets``."""
     return ["--lora-rank", str(LORA["rank"]), "--lora-alpha", str(LORA["alpha"]), "--lora-dropout",
-            str(LORA["dropout"]), "--lora-targets", ",".join(LORA["targets"])]
+            str(LORA["dropout"]), "--lora-targets", ",".join(targets)]
 
 
 def run_ligermodels(args, impl: str, model_dir: str, data: str, batch: int, out: str, profile: bool) -> dict:
@@ -301,7 +311,8 @@ def make_trainer(model, args, impl: str, batch: int, steps: int, rows, callbacks
 
 def peft_model(base: str, device: str, dtype=None, four_bit: bool = False):
     """``peft.get_peft_model`` on the base checkpoint loaded by transformers (bf16 unless ``dtype``) onto
-    ``device``: :data:`LORA`'s adapters on ``q_proj`` ... ``down_proj``, drawn after ``torch.manual_seed(SEED)``;
+    ``device``: :data:`LORA`'s adapters on ``q_proj`` ... ``down_proj`` (:func:`lora_modules`), drawn after
+    ``torch.manual_seed(SEED)``;
     PEFT keeps them fp32 (``autocast_adapter_dtype``). ``four_bit``: QLoRA's base, transformers' bitsandbytes
     ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
     bnb_4bit_compute_dtype=bf16)`` (the projections in NF4; embeddings, norms and head bf16, as ours), without
@@ -320,7 +331,8 @@ def peft_model(base: str, device: str, dtype=None, four_bit: bool = False):
     model.config.use_cache = False
     torch.manual_seed(SEED)
     config = peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-                             target_modules=[f"{t}_proj" for t in LORA["targets"]], task_type="CAUSAL_LM")
+                             target_modules=[f"{t}_proj" for t in lora_modules(model.config.to_dict())],
+                             task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 
 
@@ -701,7 +713,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "default 1)")
     ap.add_argument("--impls", nargs="+", choices=IMPLS,
                     help=f"default: {' '.join(DEFAULT_FULL_IMPLS)}; with --lora: {' '.join(LORA_IMPLS[:3])}")
-    ap.add_argument("--lora", action="store_true", help="the LoRA runs (rank 16 on all seven projections)")
+    ap.add_argument("--lora", action="store_true", help="the LoRA runs (rank 16 on all seven projections; on a "
+                    "mixture-of-experts model on the attention's four)")
     ap.add_argument("--max-batch", action="store_true",
                     help="LoRA: find each impl's largest micro-batch, in one process per impl")
     ap.add_argument("--max-batch-limit", type=int, default=256, help="the largest micro-batch --max-batch tries")
@@ -750,6 +763,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--runs {run}: the batch must be a whole number of at least 1, got {batch!r}")
         runs.append((model, int(batch) if sep else 1))
     args.runs = runs
+    if args.lora and len({lora_modules(MODELS[m]) for m, _ in runs}) > 1:
+        ap.error("--runs mixes mixture-of-experts and dense models, whose LoRA runs adapt different projections "
+                 "(bench_train.lora_modules): run them in separate calls")
     if args.max_batch and not all(1 <= b <= args.max_batch_limit for _, b in runs):
         ap.error(f"--runs: with --max-batch each first batch must be at most --max-batch-limit {args.max_batch_limit}")
     words = args.doc_words.split(",")
@@ -843,7 +859,7 @@ def lora_settings(args, low: int, high: int) -> dict:
     """The settings a LoRA results file records for its rows."""
     return {"seq": args.seq, "steps": args.steps, "warmup_steps_dropped": args.warmup, "ac": args.ac,
             "doc_words": [low, high], "lr": LORA_LR, "lr_schedule": "constant", "grad_clip": 1.0,
-            "lora": {**LORA, "targets": list(LORA["targets"])},
+            "lora": {**LORA, "targets": list(lora_modules(MODELS[args.runs[0][0]]))},
             "precision": ("frozen NF4 base (QLoRA: block 64, double-quantised maxima; embeddings, norms and head bf16)"
                           if any(i.startswith("ligermodels-qlora") or i in HF_QLORA_IMPLS for i in args.impls)
                           else "frozen bf16 base") + ", fp32 adapters (AdamW, weight decay 0.1), bf16 compute",

@@ -422,6 +422,8 @@ MODELS: dict[str, dict] = {
                             hidden_act="silu", sliding_window=None,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
+#: Qwen/Qwen3-30B-A3B whole (48 layers, 30.5e9 parameters): the LoRA runs' shape (a bf16 base on one H200).
+MODELS["qwen3-30b-a3b"] = {**MODELS["qwen3-30b-a3b-l4"], "num_hidden_layers": 48}
 
 #: transformers' attention implementation per ``model_type`` where SDPA (the default here) would not compute
 #: the model's math. Gemma 2 soft-caps its attention logits (``attn_logit_softcapping``), which SDPA cannot

@@ -378,13 +378,15 @@ def _moe_model(model: str) -> bool:
 
 
 def _of_kind(runs: list[dict], moe: bool) -> list[dict]:
-    """The runs with only their rows of mixture-of-experts shapes (``moe``) or only the dense ones; runs left with
-    no rows dropped. The two kinds have different targets, so they are tabled apart."""
+    """The runs with only their rows (and ``--max-batch`` entries) of mixture-of-experts shapes (``moe``) or only
+    the dense ones; runs left with neither dropped. The two kinds have different targets, so they are tabled
+    apart."""
     out = []
     for d in runs:
         rows = [r for r in d["rows"] if _moe_model(r["model"]) == moe]
-        if rows:
-            out.append({**d, "rows": rows})
+        fits = [f for f in d.get("max_batch", []) if _moe_model(f["model"]) == moe]
+        if rows or fits:
+            out.append({**d, "rows": rows, **({"max_batch": fits} if "max_batch" in d else {})})
     return out
 
 
@@ -397,7 +399,7 @@ def training() -> str:
 
 
 def lora() -> str:
-    parts = [lora_table(g) for g in _groups(_lora_runs())]
+    parts = [lora_table(g) for g in _groups(_of_kind(_lora_runs(), moe=False))]
     alone = _alone_runs("lora", _LORA_COMPARISON_IMPLS)
     if alone:
         parts.append(loop_only_table(alone, _lora_runs(), lora=True))
@@ -1081,6 +1083,7 @@ def moe() -> str:
     alone = _of_kind(_loop_only_runs(), moe=True)
     if alone:
         parts.append(loop_only_table(alone, _of_kind(_train_runs(), moe=True)))
+    parts += [lora_table(g) for g in _groups(_of_kind(_lora_runs(), moe=True))]
     d = _latest("moe")
     if d:
         parts.append(moe_kernels_table(d))

@@ -97,6 +97,20 @@ def test_lora_flags():
     assert not args.lora and args.impls == list(bt.DEFAULT_FULL_IMPLS) and args.runs == [("qwen2-1.5b", 4)]
 
 
+def test_lora_on_a_mixture_of_experts_shape_adapts_the_attention_projections_on_both_sides():
+    """transformers keeps a mixture-of-experts layer's experts as stacked parameters, out of reach of PEFT's
+    target_modules: both sides then adapt q, k, v, o; a call mixing such a shape with a dense one is refused."""
+    assert bt.lora_modules(common.MODELS["qwen3-30b-a3b"]) == bt.lora_modules(common.MODELS["mixtral-8x7b-l2"]) == (
+        "q", "k", "v", "o")
+    assert bt.lora_modules(common.MODELS["llama-1b"]) == bt.LORA["targets"]
+    args = bt.parse_args(["--out", "o", "--lora", "--runs", "qwen3-30b-a3b:1"])
+    cmd = bt.train_command(args, "ligermodels-lora", "m", "d", 1, "o")
+    assert cmd[cmd.index("--lora-targets") + 1] == "q,k,v,o"
+    assert bt.lora_settings(args, 1, 2)["lora"]["targets"] == ["q", "k", "v", "o"]
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--out", "o", "--lora", "--runs", "qwen3-30b-a3b:1", "llama-1b:1"])
+
+
 def test_train_commands():
     """The full fine-tuning commands are those of the committed runs; LoRA loads the base, with the LoRA flags."""
     import sys
