@@ -445,6 +445,31 @@ def test_the_python_api_takes_the_command_lines_steps(checkpoint, data, workdir,
         TrainConfig(model=checkpoint, out=str(out))
 
 
+def test_a_lora_export_gathers_the_adapters_alone_unless_merging(checkpoint, data, workdir, monkeypatch,
+                                                                reference_kernels):
+    """OUT/final of a LoRA run is the adapter: only the trained parameters are gathered to the host for it (the
+    frozen base stays where it is: 61 GB at Qwen3-30B-A3B); --merge gathers the whole model, base included."""
+    import ligermodels.train.checkpointing as checkpointing
+    from ligermodels.train import train
+
+    gathered, real = [], checkpointing.get_model_state_dict
+
+    def spy(model, options=None):
+        state = real(model, options=options)
+        gathered.append(set(state))
+        return state
+
+    monkeypatch.setattr(checkpointing, "get_model_state_dict", spy)
+    for merge in (False, True):
+        out = workdir / f"lora-export-{merge}"
+        train(TrainConfig(model=checkpoint, data=data, out=str(out), seq_len=32, batch_size=2, steps=1,
+                          dtype="fp32", device="cpu", save_every=0, lora_rank=4, merge=merge))
+        assert (out / "final" / "adapter_model.safetensors").exists() and (out / "merged").exists() == merge
+    adapter, merged = gathered
+    assert adapter and all(k.endswith((".lora_A", ".lora_B")) for k in adapter)
+    assert adapter < merged and "embed.weight" in merged
+
+
 def test_fp8_training_takes_the_steps_of_full_precision_within_quantisation_error(checkpoint, data, workdir,
                                                                                       run_one):
     """--fp8 rowwise on the command line (the CPU runs the recipe's quantised math in PyTorch; the kernels

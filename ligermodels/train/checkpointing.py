@@ -316,9 +316,13 @@ def load_checkpoint(path: str, model: CausalLM, optimizer: torch.optim.Optimizer
 
 def export_hf(model: CausalLM, inputs: Inputs, config: TrainConfig, rank: int) -> str:
     """Gather the full weights to rank 0's host and write ``OUT/final`` as an HF checkpoint (in --dtype);
-    with LoRA, ``OUT/final`` is the adapter (PEFT's format) and ``--merge`` writes ``OUT/merged``."""
+    with LoRA, ``OUT/final`` is the adapter (PEFT's format) and ``--merge`` writes ``OUT/merged``. Without
+    ``--merge`` only the trained adapters are gathered: the frozen base (61 GB at Qwen3-30B-A3B) is not copied to
+    the host."""
     out = os.path.join(config.out, "final")
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    adapters_only = bool(config.lora_rank) and not config.merge
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=adapters_only))
     if rank == 0:
         state = nf4_state(state, model)  # a sharded 4-bit base: its gathered bytes read back as NF4 weights
         dtype = torch.bfloat16 if config.dtype == "bf16" else torch.float32
