@@ -91,6 +91,7 @@ class CheckpointReader:
     def __init__(self, directory: str):
         self.directory = directory
         self._handles: dict[str, object] = {}
+        self._names: dict[str, frozenset[str]] = {}  # each open file's tensor names (keys() builds a list a call)
         self.index = self._read_index()
 
     def _read_index(self) -> dict[str, str]:
@@ -113,7 +114,8 @@ class CheckpointReader:
             paths = safetensors_files(self.directory)
         index: dict[str, str] = {}
         for path in paths:
-            for k in self._handle(path).keys():
+            self._handle(path)
+            for k in sorted(self._names[path]):
                 if k in index:
                     raise CheckpointError(f"{self.directory}: tensor {k} is in both {os.path.basename(index[k])} "
                                           f"and {os.path.basename(path)}, and no model.safetensors.index.json says "
@@ -128,17 +130,19 @@ class CheckpointReader:
         for h in self._handles.values():
             h.__exit__(None, None, None)
         self._handles.clear()
+        self._names.clear()
 
     def _handle(self, path: str):
         if path not in self._handles:
             self._handles[path] = _open(path)
+            self._names[path] = frozenset(self._handles[path].keys())
         return self._handles[path]
 
     def check(self, name: str, shape: tuple[int, ...]) -> None:
         """Refuse (CheckpointError naming it) a tensor that is absent, of another shape, or not floating point."""
         path = self.index[name]
         handle = self._handle(path)
-        if name not in handle.keys():
+        if name not in self._names[path]:
             raise CheckpointError(f"{path}: lacks tensor {name} (model.safetensors.index.json places it in this "
                                   "file)")
         info = handle.get_slice(name)
