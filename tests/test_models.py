@@ -311,20 +311,21 @@ def test_gemma3_image_text_checkpoint_loads_its_language_model(tie, tmp_path):
 
 @pytest.mark.parametrize("case", ["qwen3_tied_sliding_bias", "phi3_partial_rotary", "gemma2_tied_softcap_sliding",
                                   "gemma3_tied_two_ropes", "glm4_bias_untied", "gemma3_image_text"])
-def test_verify_command_passes_for_the_new_families(case, tmp_path):
-    import subprocess
-    import sys
+def test_verify_command_passes_for_the_new_families(case, tmp_path, capsys, reference_kernels):
+    """``ligermodels.verify``'s entry point in this process (the command line itself runs in
+    tests/test_checkpoints.py), on the PyTorch kernels."""
+    from ligermodels.verify import main as verify_main
 
     if case == "gemma3_image_text":
         _gemma3_multimodal_checkpoint(str(tmp_path))
     else:
         make_hf_checkpoint(case, str(tmp_path))
-    out = subprocess.run([sys.executable, "-m", "ligermodels.verify", str(tmp_path), "--device", "cpu"],
-                         capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "(eager attention)" in out.stdout, out.stdout  # the attention that computes soft-capping (Gemma 2)
-    err = float(out.stdout.split("relative error vs transformers")[1].split(":")[1])
-    assert err < 1e-4, out.stdout
+    code = verify_main([str(tmp_path), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "(eager attention)" in out, out  # the attention that computes soft-capping (Gemma 2)
+    err = float(out.split("relative error vs transformers")[1].split(":")[1])
+    assert err < 1e-4, out
 
 
 def test_selective_activation_checkpointing_keeps_qk_norm_gradients(tmp_path):
