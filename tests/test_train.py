@@ -422,10 +422,10 @@ def test_checkpoint_layout(run_two):
     assert {key: state[key] for key in RESUME_FLAGS} == flags
 
 
-def test_the_python_api_takes_the_command_lines_steps(checkpoint, data, workdir, run_one):
+def test_the_python_api_takes_the_command_lines_steps(checkpoint, data, workdir, run_one, reference_kernels):
     """train(TrainConfig(...)) in this process (a process group of its own, torn down after) takes the steps of
-    the same flags on the command line (run_one), within fp32 rounding (the kernels here run in Triton's
-    interpreter, the child's in PyTorch); the config is frozen."""
+    the same flags on the command line (run_one), within fp32 rounding; the config is frozen. Both run the
+    PyTorch kernels (the Triton ones through the interpreter are the kernel tests')."""
     from ligermodels.train import train
 
     out = workdir / "python-api"
