@@ -232,8 +232,9 @@ def train_command(args, impl: str, model_dir: str, data: str, batch: int, out: s
            *(["--cuda-graph"] if impl.endswith("-graph") else []),
            *(["--fp8", "rowwise"] if impl.endswith("-fp8") else []),
            *(["--quantize", "nf4"] if impl.startswith("ligermodels-qlora") else [])]
-    targets = lora_modules(MODELS[args.runs[0][0]])  # one set a call (parse_args)
-    return cmd + (lora_flags(targets) if lora else []) + (["--profile"] if profile else [])
+    if lora:  # one set of targets a call (parse_args)
+        cmd += lora_flags(lora_modules(MODELS[args.runs[0][0]]))
+    return cmd + (["--profile"] if profile else [])
 
 
 def lora_modules(config: dict) -> tuple[str, ...]:

@@ -407,9 +407,9 @@ def training() -> str:
 
 def lora() -> str:
     parts = [lora_table(g) for g in _groups(_of_kind(_lora_runs(), moe=False))]
-    alone = _alone_runs("lora", _LORA_COMPARISON_IMPLS)
+    alone = _of_kind(_alone_runs("lora", _LORA_COMPARISON_IMPLS), moe=False)
     if alone:
-        parts.append(loop_only_table(alone, _lora_runs(), lora=True))
+        parts.append(loop_only_table(alone, _of_kind(_lora_runs(), moe=False), lora=True))
     return "\n\n".join(parts) or "No results committed yet."
 
 

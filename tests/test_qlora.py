@@ -7,6 +7,7 @@ themselves are test_nf4's."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -16,7 +17,7 @@ from checkpoints_tools import CheckpointError
 from ligermodels import AutoLigerModel, LigerLlama
 from ligermodels.lora import add_lora, load_lora, merge_lora, save_lora
 from ligermodels.train import parse_args
-from tests.test_train import _cut_back_to_step_2, _flags, _metrics, _rel, _train
+from tests.test_train import _cut_back_to_step_2, _flags, _metrics, _rel, _train, one_rank_and_two
 
 bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes (test-only) is the QLoRA reference")
 # the PyTorch path: the kernels themselves are test_nf4's (the interpreter would run them here for minutes)
@@ -247,21 +248,13 @@ def test_qlora_on_two_gpus_with_nccl_takes_the_steps_of_one_gpu(checkpoint, data
     """The CUDA path of the two-rank run: the NF4 kernels on the GPU, FSDP2 gathering the 4-bit bytes over NCCL and
     the recomputed forward (--ac full) reading them again. fp32 compute; NCCL's reduce-scatter sums in another order
     than one GPU's accumulation, so the bounds are 10x the CPU's."""
-    flags = ["--quantize", "nf4", "--lora-rank", "4", "--lora-alpha", "8", "--save-every", "0", "--device", "cuda"]
-    runs = {}
-    for name, extra, nproc in (("one", ["--grad-accum", "2"], 1), ("two", ["--grad-accum", "1", "--ac", "full"], 2)):
-        out = workdir / f"qlora-nccl-{name}"
-        res = _train([*_flags(checkpoint, data, out), *flags, *extra], nproc=nproc)
-        assert res.returncode == 0, res.stderr[-4000:]
-        runs[name] = out
-    one, two = _metrics(runs["one"]), _metrics(runs["two"])
-    assert len(one) == len(two) == 4
-    for a, b in zip(one, two, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * abs(a["grad_norm"]), (a, b)
     from safetensors.torch import load_file
 
-    w1, w2 = (load_file(str(runs[n] / "final" / "adapter_model.safetensors")) for n in ("one", "two"))
+    one, two = one_rank_and_two(checkpoint, data, workdir / "qlora-nccl", ["--quantize", "nf4", "--lora-rank", "4",
+                                "--lora-alpha", "8", "--save-every", "0", "--device", "cuda"], ["--ac", "full"],
+                                (1e-4, 1e-3))
+    assert len(_metrics(one)) == 4
+    w1, w2 = (load_file(os.path.join(run, "final", "adapter_model.safetensors")) for run in (one, two))
     assert w1.keys() == w2.keys() and w1
     for k in w1:
         assert _rel(w2[k], w1[k]) <= 1e-4, k

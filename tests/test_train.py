@@ -1317,6 +1317,25 @@ NEW_FAMILIES = ["qwen3_tied_sliding_bias", "gemma2_tied_softcap_sliding", "gemma
                 "phi3_partial_rotary"]
 
 
+def one_rank_and_two(checkpoint: str, data: str, out, flags: list[str], two_flags: list[str],
+                     bounds: tuple[float, float]):
+    """The same global batches trained by one rank with --grad-accum 2 (into ``OUT-one``) and by two ranks under
+    torchrun with --grad-accum 1 and ``two_flags`` (``OUT-two``), both with :func:`_flags` then ``flags``; every
+    step's loss and gradient norm agree within ``bounds`` (relative). Returns the two output directories."""
+    runs = []
+    for name, extra, nproc in (("one", ["--grad-accum", "2"], 1), ("two", ["--grad-accum", "1", *two_flags], 2)):
+        run = f"{out}-{name}"
+        res = _train([*_flags(checkpoint, data, run), *flags, *extra], nproc=nproc)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(run)
+    one, two = (_metrics(r) for r in runs)
+    assert len(one) == len(two) > 0
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= bounds[0] * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= bounds[1] * abs(a["grad_norm"]), (a, b)
+    return runs
+
+
 def _one_rank_against_two(case: str, data: str, workdir, device: str, bounds: tuple[float, float, float]) -> None:
     """A family's tiny checkpoint trained 3 fp32 steps on one rank (gradient accumulation 2) and on two FSDP2
     ranks with selective activation checkpointing: losses, gradient norms and exported weights agree within
@@ -1329,18 +1348,10 @@ def _one_rank_against_two(case: str, data: str, workdir, device: str, bounds: tu
     model_dir = workdir / f"family-{case}-{device}"
     make_hf_checkpoint(case, str(model_dir))
     save_tokenizer(build_tokenizer(), str(model_dir))
-    runs = {}
-    for name, extra, nproc in (("one", ["--grad-accum", "2"], 1), ("two", ["--grad-accum", "1", "--ac", "selective"],
-                                                                      2)):
-        out = workdir / f"family-{case}-{device}-{name}"
-        flags = [*_flags(str(model_dir), data, out), "--steps", "3", "--save-every", "0", *extra, "--device", device]
-        res = _train(flags, nproc=nproc)
-        assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = (_metrics(out), _weights(out), out)
-    (one, w1, out), (two, w2, _) = runs["one"], runs["two"]
-    for a, b in zip(one, two, strict=True):
-        assert abs(a["loss"] - b["loss"]) <= loss_bound * abs(a["loss"]), (case, a, b)
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= norm_bound * abs(a["grad_norm"]), (case, a, b)
+    one, two = one_rank_and_two(str(model_dir), data, workdir / f"family-{case}-{device}",
+                                ["--steps", "3", "--save-every", "0", "--device", device], ["--ac", "selective"],
+                                (loss_bound, norm_bound))
+    w1, w2 = _weights(one), _weights(two)
     assert w1.keys() == w2.keys()
     for k in w1:
         # Partial rotary (GLM-4): the key bias's unrotated channels add q.b, the same to every score of a query,
@@ -1349,7 +1360,7 @@ def _one_rank_against_two(case: str, data: str, workdir, device: str, bounds: tu
         # rank and two (checked: the differing channels are those).
         bound = 1e-2 if case.startswith("glm4") and k.endswith("k_proj.bias") else weight_bound
         assert _rel(w2[k], w1[k]) <= bound, (case, k)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(two, "final"))
     assert sum(p.numel() for p in reloaded.parameters()) > 0
 
 
