@@ -28,6 +28,7 @@ import time
 from benchmarks.bench_scale import LLAMA_3_1_8B
 from benchmarks.bench_train import run_child, summarize
 from benchmarks.common import environment, write_data, write_model_dir, write_results
+from ligermodels.train.config import AC_MODES
 
 #: Speed target: FP8 tokens/s over bf16's; curve target: |final loss FP8 - bf16| / bf16's.
 TARGETS = {"speed_vs_bf16": 1.3, "final_loss_rel": 0.01}
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--ac", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("--ac", default="none", choices=AC_MODES)
     ap.add_argument("--profile", action="store_true", help="speed: ligermodels.train's --profile table per mode")
     ap.add_argument("--curve-steps", type=int, default=600)
     ap.add_argument("--curve-modes", nargs="+", default=list(MODES[:2]), choices=MODES)

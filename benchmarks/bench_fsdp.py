@@ -49,6 +49,7 @@ from benchmarks.common import (
     write_model_dir,
     write_results,
 )
+from ligermodels.train.config import AC_MODES
 
 #: Qwen2-1.5B's shape (HF config.json fields): 1.54B parameters, tied embeddings, q/k/v bias.
 QWEN2_1_5B = {
@@ -162,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, help="rows per GPU per micro-batch (default 4; --tiny 2)")
     ap.add_argument("--seq-len", type=int, help="tokens per row (default 2048; --tiny 64)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
-    ap.add_argument("--ac", choices=("none", "full", "selective"), default="none", help="activation checkpointing")
+    ap.add_argument("--ac", choices=AC_MODES, default="none", help="activation checkpointing")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), help="compute dtype (default bf16; --tiny on cpu fp32)")
     ap.add_argument("--device", choices=("cuda", "cpu"), help="default cuda (--tiny: cpu)")
     ap.add_argument("--doc-tokens", type=int, help="mean document length in tokens (default: --seq-len)")

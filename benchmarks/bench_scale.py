@@ -102,11 +102,22 @@ from benchmarks.common import (
     write_model_dir,
     write_results,
 )
+from ligermodels.train.config import AC_MODES
 
-IMPLS = ("ours", "ours+compile", "titan", "titan+compile")
+IMPLS = ("ours", "ours+compile", "ours+fp8", "titan", "titan+compile", "titan+compile+float8",
+         "titan+compile+float8-rowwise")
+#: torchtitan's float8 settings (torchao's Float8Linear) of the float8 runs; the output head stays bf16 on both sides
+#: (ours' --fp8 leaves the loss head in bf16). tensorwise: scales per tensor, the weights all-gathered in float8 with
+#: their scales computed once per step for all layers (torchtitan's advice for FSDP); rowwise: torchao's recipe.
+TITAN_FLOAT8 = {"titan+compile+float8": {"enable_fsdp_float8_all_gather": True,
+                                         "precompute_float8_dynamic_scale_for_fsdp": True, "filter_fqns": ["output"]},
+                "titan+compile+float8-rowwise": {"recipe_name": "rowwise", "filter_fqns": ["output"]}}
+#: ours' FP8 mode in the "ours+fp8" runs (kernels.fp8.FP8_MODES).
+OURS_FP8 = "rowwise"
 TITAN_VERSION = "0.2.2"
 #: What torchtitan's trainer imports that the GPU image may lack (benchmarks/fetch_titan_wheels.sh brings them).
 TITAN_MODULES = ("torchtitan", "tyro", "torchdata", "datasets")
+TITAN_FLOAT8_MODULES = ("torchao",)  # the float8 runs' Float8Linear
 LR = 1e-5
 SEED = 0
 PEAK_FLOPS = 989e12  # dense bf16 per GPU, H100 and H200 (ligermodels.train.metrics.PEAK_BF16_FLOPS)
@@ -169,6 +180,8 @@ def ours_command(args: argparse.Namespace, impl: str, nproc: int, ac: str, model
            "--prefetch", str(args.prefetch)]
     if impl == "ours+compile":
         cmd.append("--compile")
+    if impl == "ours+fp8":
+        cmd += ["--fp8", OURS_FP8]
     if args.profile and steps is None:
         cmd.append("--profile")
     return cmd
@@ -191,9 +204,12 @@ def titan_config(args: argparse.Namespace, impl: str, ac: str, model_dir: str, d
                         "pipeline_parallel_degree": 1, "context_parallel_degree": 1},
         "checkpoint": {"enable": False},
         "activation_checkpoint": {"mode": ac, "selective_ac_option": "op"},
-        "compile": {"enable": impl == "titan+compile", "components": ["model", "loss"]},
+        "compile": {"enable": impl.startswith("titan+compile"), "components": ["model", "loss"]},
         "debug": {"seed": SEED},
     }
+    if impl in TITAN_FLOAT8:
+        config["model"]["converters"] = ["quantize.linear.float8"]
+        config["quantize.linear.float8"] = dict(TITAN_FLOAT8[impl])
     if args.layers != 32:
         config["experimental"] = {"custom_import": "benchmarks.titan.flavors"}
     return config
@@ -358,25 +374,35 @@ def _ok(r: dict) -> bool:
     return "error" not in r and r.get("role") != "split-check"
 
 
+def fp8_run(r: dict) -> bool:
+    """Whether a row's projections ran in FP8 (ours --fp8, torchtitan's float8): compared only with each other."""
+    return "fp8" in r["impl"] or "float8" in r["impl"]
+
+
 def targets(rows: list[dict]) -> dict:
     """The targets from the rows of one host: {"<gpus>:<ac>": {...}} for the speed and memory against
     torchtitan + compile, {"<label>:<ac>": {...}} for the scaling, {"split:<gpus>:<ac>"} for split invariance.
     Each entry holds the measured ratio and ``holds`` (None where the target names no threshold)."""
     out: dict[str, dict] = {}
     good = [r for r in rows if _ok(r)]
-    for gpus, ac in sorted({(r["gpus"], r["ac"]) for r in good}):
-        same = [r for r in good if (r["gpus"], r["ac"]) == (gpus, ac)]
-        titan = next((r for r in same if r["label"] == "titan+compile"), None)
-        ours = [r for r in same if r["impl"].startswith("ours")]
-        if titan and ours:
-            best = max(ours, key=lambda r: r["tokens_per_s_per_gpu"])
-            speed = best["tokens_per_s_per_gpu"] / titan["tokens_per_s_per_gpu"]
-            memory = best["peak_mem_gb"] / titan["peak_mem_gb"] if titan.get("peak_mem_gb") else None
-            out[f"{gpus}:{ac}"] = {
-                "ours": best["label"], "speed_vs_titan_compile": round(speed, 3),
-                "memory_vs_titan_compile": None if memory is None else round(memory, 3),
-                "holds": speed >= TARGETS["speed_vs_titan_compile"] and memory is not None
-                and memory <= TARGETS["memory_vs_titan_compile"]}
+    for gpus, ac, fp8 in sorted({(r["gpus"], r["ac"], fp8_run(r)) for r in good if r["impl"].startswith("ours")}):
+        ours = [r for r in good if (r["gpus"], r["ac"], fp8_run(r)) == (gpus, ac, fp8) and r["impl"].startswith("ours")]
+        # torchtitan has no "lean" mode: lean runs are held to its selective ("op") runs, as less memory for speed
+        versus_ac = "selective" if ac == "lean" else ac
+        titans = [r for r in good if (r["gpus"], r["ac"], fp8_run(r)) == (gpus, versus_ac, fp8)
+                  and r["impl"].startswith("titan+compile")]
+        if not titans:
+            continue
+        titan = max(titans, key=lambda r: r["tokens_per_s_per_gpu"])
+        best = max(ours, key=lambda r: r["tokens_per_s_per_gpu"])
+        speed = best["tokens_per_s_per_gpu"] / titan["tokens_per_s_per_gpu"]
+        memory = best["peak_mem_gb"] / titan["peak_mem_gb"] if titan.get("peak_mem_gb") else None
+        out[f"{gpus}:{ac}" + (":fp8" if fp8 else "")] = {
+            "ours": best["label"], "titan": f"{titan['label']} ({versus_ac})",
+            "speed_vs_titan_compile": round(speed, 3),
+            "memory_vs_titan_compile": None if memory is None else round(memory, 3),
+            "holds": speed >= TARGETS["speed_vs_titan_compile"] and memory is not None
+            and memory <= TARGETS["memory_vs_titan_compile"]}
     for name, ac in sorted({(r["label"], r["ac"]) for r in good}):
         by_gpus = {r["gpus"]: r for r in good if (r["label"], r["ac"]) == (name, ac)}
         if 1 not in by_gpus:
@@ -419,7 +445,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4, 8],
                     help="GPU (process) counts; those above the visible GPUs are skipped with a note")
     ap.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
-    ap.add_argument("--ac", nargs="+", choices=("none", "selective", "full"), default=["selective", "full"],
+    ap.add_argument("--ac", nargs="+", choices=AC_MODES, default=["selective", "full"],
                     help="activation checkpointing modes, each run on both sides")
     ap.add_argument("--layers", type=int, help="decoder layers of the 8B shape (default 32; --tiny 2)")
     ap.add_argument("--batch-size", type=int, default=1, help="rows per GPU per step (the local batch)")
@@ -473,11 +499,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def titan_missing() -> list[str]:
-    """The modules torchtitan's trainer needs that this Python cannot import."""
+def titan_missing(float8: bool = False) -> list[str]:
+    """The modules torchtitan's trainer (with ``float8``, its float8 runs too) needs that this Python cannot import."""
     import importlib.util
 
-    return [m for m in TITAN_MODULES if importlib.util.find_spec(m) is None]
+    return [m for m in TITAN_MODULES + TITAN_FLOAT8_MODULES * float8 if importlib.util.find_spec(m) is None]
 
 
 def package_versions(names: tuple[str, ...]) -> dict:
@@ -533,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu" and any(i.startswith("titan") for i in impls):
         notes.append("torchtitan skipped: it trains on CUDA only (--tiny runs on the CPU)")
         impls = [i for i in impls if not i.startswith("titan")]
-    missing = titan_missing() if any(i.startswith("titan") for i in impls) else []
+    missing = titan_missing(any(i in TITAN_FLOAT8 for i in impls)) if any(i.startswith("titan") for i in impls) else []
     if missing:
         raise SystemExit(f"error: torchtitan's trainer needs {', '.join(missing)}, not importable here: run "
                          "`bash benchmarks/fetch_titan_wheels.sh` where pip reaches PyPI, carry .whl/ and install it "
@@ -551,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"inputs: {model_dir}, {data} (>= {need:,} tokens) in {time.perf_counter() - t0:.1f} s", flush=True)
     fpt = flops_per_token(config_from_hf(config), args.seq_len)
     peak = PEAK_FLOPS if args.device == "cuda" and any(g in env["gpu"] for g in ("H100", "H200")) else None
-    titan_info = package_versions(("torchtitan", "tyro", "torchdata", "datasets", "fsspec", "pyarrow",
+    titan_info = package_versions(("torchtitan", "torchao", "tyro", "torchdata", "datasets", "fsspec", "pyarrow",
                                    "huggingface_hub", "tensorboard")) if any(
         i.startswith("titan") for i in impls) else {}
     rows: list[dict] = []
@@ -574,6 +600,9 @@ def main(argv: list[str] | None = None) -> None:
     for n in counts:
         for ac in args.ac:
             for impl in impls:
+                if ac == "lean" and impl.startswith("titan"):
+                    notes.append("torchtitan has no lean mode: its runs are the selective ones")
+                    continue
                 rows.append(run_one(args, impl, n, ac, model_dir, data, work, fpt, peak, host))
                 write()
             if args.split_check and n > 1 and "ours" in impls:
@@ -593,7 +622,7 @@ def run_one(args: argparse.Namespace, impl: str, n: int, ac: str, model_dir: str
     os.makedirs(out)
     row = {"label": name, "impl": impl, "gpus": n, "ac": ac, "grad_accum": grad_accum, "batch_size": args.batch_size,
            "seq_len": args.seq_len, "layers": args.layers, "attention": args.attention, "host": host,
-           "compile": impl.endswith("+compile"), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+           "compile": "+compile" in impl, "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if split:
         row["role"] = "split-check"
     tokens_per_gpu_step = args.batch_size * grad_accum * args.seq_len

@@ -283,7 +283,7 @@ def fp8_forward(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, bias: 
     here, ``(M, N)`` in ``out_dtype``, plus the bias (added after the GEMM)."""
     wq, ws = quantize_rows(weight)
     out = scaled_mm(xq, xs, wq, ws, out_dtype)
-    return out if bias is None else out.add_(bias)
+    return out if bias is None else out + bias  # not in place: checkpointing may keep the GEMM's output
 
 
 def fp8_input_grad(dout: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels._common import LIB
 from kernels.fp8 import FP8Recipe, fp8_forward, fp8_input_grad, fp8_linear, fp8_recipe, quantize_rows, weight_grad
 
 
@@ -105,6 +106,20 @@ def block_b(lr: LowRank, n_out: int, dtype: torch.dtype) -> torch.Tensor:
     return bb
 
 
+@torch.library.custom_op(f"{LIB}::add_low_rank_", mutates_args={"out"})
+def add_low_rank_(out: torch.Tensor, z: torch.Tensor, bb: torch.Tensor) -> None:
+    """``out += z @ bb`` in place: a projection's output (M, N) plus its adapters' term, z (M, T*r) times the block
+    matrix (T*r, N). One op, so that selective activation checkpointing, which keeps the base GEMM's output, keeps
+    this update with it (``ligermodels.train.parallelize.SAVED_OPS``) rather than apply it a second time when it
+    recomputes the layer."""
+    out.addmm_(z, bb)
+
+
+@add_low_rank_.register_fake
+def _(out: torch.Tensor, z: torch.Tensor, bb: torch.Tensor) -> None:
+    return None
+
+
 def low_rank_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lr: LowRank,
                     mask: torch.Tensor | None, fp8: FP8Recipe | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,18 +127,16 @@ def low_rank_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     (out (M, N) in x2's dtype, z = scale * dropout(x2) @ A.T (M, T*r) in the compute dtype, and
     :func:`block_b` in that dtype; both for backward, which so builds the block matrix no second time).
 
-    The base GEMM runs last and accumulates onto the low-rank term (``out = z @ block_b (+ bias)``, then
-    ``out.addmm_(x2, W.T)``: cuBLAS reads out once as its C operand), instead of adding the term onto the
-    base output afterwards, which read and wrote the (M, N) output once more: Qwen2-7B's four projections,
-    batch 4 x 2048, H100: 5.68 ms a layer against 6.22 (5.08 without adapters). With ``fp8`` the base GEMM is
-    :mod:`kernels.fp8`'s, on x2 quantised by rows, and is added to the low-rank term."""
+    The low-rank GEMM accumulates onto the base GEMM's output in place (:func:`add_low_rank_`: cuBLAS reads it
+    once as its C operand), instead of writing the term apart and adding the two, which read and wrote the (M, N)
+    output once more: Qwen2-7B's four projections, batch 4 x 2048, H100: 5.68 ms a layer against 6.22 (5.08
+    without adapters). With ``fp8`` the base GEMM is :mod:`kernels.fp8`'s, on x2 quantised by rows."""
     cd = compute_dtype(x2.dtype)
-    z = (_input(x2, mask, lr.dropout, cd) @ lr.a.to(cd).t()).mul_(lr.scale)
+    z = (_input(x2, mask, lr.dropout, cd) @ lr.a.to(cd).t()).mul(lr.scale)
     bb = block_b(lr, weight.shape[0], cd)
-    out = torch.addmm(bias.to(cd), z, bb) if bias is not None else z @ bb
-    if fp8 is not None:
-        return out.add_(fp8_forward(*quantize_rows(x2), weight, None, x2.dtype)), z, bb
-    return out.addmm_(x2, weight.t()), z, bb
+    out = fp8_forward(*quantize_rows(x2), weight, bias, x2.dtype) if fp8 is not None else F.linear(x2, weight, bias)
+    add_low_rank_(out, z, bb)
+    return out, z, bb
 
 
 def low_rank_backward(d2: torch.Tensor, lr: LowRank, z: torch.Tensor, bb: torch.Tensor, needs_b: bool

@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+import tomllib
 
 from benchmarks import bench_scale as bs
 
@@ -161,12 +162,14 @@ def test_targets_from_rows():
             _row("titan+compile", 8, 700.0, 20.0, error="exit 1"),
             _row("ours", 1, 500.0, 60.0, ac="full"), _row("titan+compile", 1, 400.0, 50.0, ac="full")]
     checks = bs.targets(rows)
-    assert checks["1:selective"] == {"ours": "ours+compile", "speed_vs_titan_compile": 1.1,
+    sel = "titan+compile (selective)"
+    assert checks["1:selective"] == {"ours": "ours+compile", "titan": sel, "speed_vs_titan_compile": 1.1,
                                      "memory_vs_titan_compile": round(59 / 70, 3), "holds": False}
-    assert checks["2:selective"] == {"ours": "ours+compile", "speed_vs_titan_compile": round(1000 / 900, 3),
+    assert checks["2:selective"] == {"ours": "ours+compile", "titan": sel,
+                                     "speed_vs_titan_compile": round(1000 / 900, 3),
                                      "memory_vs_titan_compile": 1.025, "holds": False}
-    assert checks["1:full"] == {"ours": "ours", "speed_vs_titan_compile": 1.25, "memory_vs_titan_compile": 1.2,
-                                "holds": False}
+    assert checks["1:full"] == {"ours": "ours", "titan": "titan+compile (full)", "speed_vs_titan_compile": 1.25,
+                                "memory_vs_titan_compile": 1.2, "holds": False}
     assert "8:selective" not in checks  # torchtitan + compile failed there
     assert checks["ours:selective"] == {"scaling_2": {"ratio": 0.96, "holds": True},
                                         "scaling_4": {"ratio": 0.93, "holds": None},
@@ -175,6 +178,37 @@ def test_targets_from_rows():
     assert "titan:selective" not in checks  # no 1-GPU run of plain torchtitan
     fast = [_row("ours", 2, 1035.0, 40.0), _row("titan+compile", 2, 900.0, 40.0)]
     assert bs.targets(fast)["2:selective"]["holds"] is True  # 1.15x and the same memory
+
+
+def test_lean_runs_face_torchtitans_selective_runs_and_fp8_runs_face_its_fastest_float8_run():
+    rows = [_row("ours", 2, 1000.0, 60.0), _row("ours", 2, 900.0, 45.0, ac="lean"),
+            _row("titan+compile", 2, 880.0, 50.0), _row("ours+fp8", 2, 1300.0, 58.0),
+            _row("titan+compile+float8", 2, 1000.0, 52.0), _row("titan+compile+float8-rowwise", 2, 1100.0, 51.0),
+            _row("ours+fp8", 2, 1200.0, 44.0, ac="lean")]
+    checks = bs.targets(rows)
+    assert checks["2:selective"]["ours"] == "ours" and checks["2:selective"]["speed_vs_titan_compile"] == 1.136
+    assert checks["2:lean"] == {"ours": "ours", "titan": "titan+compile (selective)",
+                                "speed_vs_titan_compile": round(900 / 880, 3), "memory_vs_titan_compile": 0.9,
+                                "holds": False}
+    assert checks["2:selective:fp8"] == {"ours": "ours+fp8", "titan": "titan+compile+float8-rowwise (selective)",
+                                         "speed_vs_titan_compile": round(1300 / 1100, 3),
+                                         "memory_vs_titan_compile": round(58 / 51, 3), "holds": False}
+    lean8 = checks["2:lean:fp8"]
+    assert (lean8["speed_vs_titan_compile"], lean8["memory_vs_titan_compile"]) == (1.091, 0.863)
+    rows[-1]["tokens_per_s_per_gpu"] = 1265.0
+    assert bs.targets(rows)["2:lean:fp8"]["holds"] is True  # 1.15x at less memory
+
+
+def test_float8_runs_configure_torchtitans_float8_linear_with_the_head_left_in_bf16():
+    args = bs.parse_args(["--out", "/w", "--gpus", "2"])
+    for impl, want in (("titan+compile+float8", {"enable_fsdp_float8_all_gather": True}),
+                       ("titan+compile+float8-rowwise", {"recipe_name": "rowwise"})):
+        config = bs.titan_config(args, impl, "selective", "/w/model", "/w/data/data.jsonl", "/w/run")
+        parsed = tomllib.loads(bs.toml(config))
+        assert parsed["model"]["converters"] == ["quantize.linear.float8"] and parsed["compile"]["enable"]
+        float8 = parsed["quantize"]["linear"]["float8"]
+        assert float8["filter_fqns"] == ["output"] and want.items() <= float8.items()
+    assert "--fp8" in bs.ours_command(args, "ours+fp8", 2, "lean", "/m", "/d", "/o")
 
 
 def test_split_invariance_check():

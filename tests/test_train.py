@@ -852,7 +852,7 @@ def test_document_masking_packed_equals_alone(checkpoint):
     assert abs(packed_loss.item() - float(alone_loss)) <= 1e-5 * abs(float(alone_loss))
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "lean"])
 def test_activation_checkpointing_keeps_gradients(checkpoint, mode):
     torch.manual_seed(0)
     ids = torch.randint(4, 40, (2, 24))

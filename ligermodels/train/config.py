@@ -44,6 +44,8 @@ def _flag(default, help: str, choices: tuple[str, ...] | None = None):
 DEMO_DEFAULTS = dict(out="runs/demo", seq_len=128, batch_size=16, steps=600, lr=3e-3, warmup_steps=20,
                      save_every=200, log_every=50, dtype="fp32")
 RUN_DEFAULTS = dict(batch_size=1, steps=1000, lr=2e-5, warmup_steps=50, save_every=500, log_every=10)
+#: --ac: activation checkpointing modes, from most memory to least (ligermodels.train.parallelize).
+AC_MODES = ("none", "selective", "lean", "full")
 #: Reporters --report-to takes, by the package each needs.
 REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -101,7 +103,8 @@ class TrainConfig:
     resume: bool = _flag(False, "continue from the newest checkpoint in --out")
     overwrite: bool = _flag(False, "delete a previous run's checkpoints/metrics in --out")
     ac: str = _flag("none", "activation checkpointing per layer: full recomputes the layer; selective keeps "
-                            "matmul/attention outputs", ("none", "full", "selective"))
+                            "matmul/attention outputs; lean keeps them but the gate/up projection's (less memory, "
+                            "more flops)", AC_MODES)
     loss_strategy: str = _flag("auto", "loss head (kernels.fused_linear_cross_entropy): tokens = fastest; vocab = "
                                        "one more GEMM, no fp32 (vocab, hidden) weight-gradient buffer (less memory "
                                        "for large vocabularies); auto (default) = vocab where that buffer would take "
