@@ -5,10 +5,15 @@ Both trainers run under ``torchrun --nproc-per-node N`` on the same model shape 
 same local batch (``--batch-size`` rows of ``--seq-len`` tokens per GPU, one micro-batch a step), the
 same activation checkpointing mode (``--ac``: ``full``, or ``selective``: ours keeps every matmul and
 attention output of a layer, torchtitan's ``selective_ac_option = "op"`` its attention outputs and every
-other matmul output), bf16 compute with fp32 gradient reduction under FSDP2 (one FSDP unit per decoder
-layer), AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0.1, lr 1e-5 constant), gradient clipping at 1.0,
-with and without ``torch.compile`` on each side (ours: ``--compile``, each decoder layer; torchtitan:
-``compile.enable``, each TransformerBlock and the loss).
+other matmul output; ours' ``lean``, which also recomputes the gate/up projection, runs against torchtitan's
+selective runs, torchtitan being skipped for it), bf16 compute with fp32 gradient reduction under FSDP2 (one
+FSDP unit per decoder layer), AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0.1, lr 1e-5 constant), gradient
+clipping at 1.0, with and without ``torch.compile`` on each side (ours: ``--compile``, each decoder layer; torchtitan:
+``compile.enable``, each TransformerBlock and the loss). FP8: ours ``--fp8 rowwise`` (``ours+fp8``) against
+torchtitan's float8 converter (torchao's Float8Linear; ``titan+compile+float8``: tensorwise scales with the weights
+all-gathered in float8, ``titan+compile+float8-rowwise``: torchao's rowwise recipe), the output head in bf16 on both
+sides; FP8 runs are compared with FP8 runs only (``checks`` key ``<gpus>:<ac>:fp8``). The float8 runs need torchao
+(0.18.0 for torch 2.11: ``pip download --no-deps torchao==0.18.0`` into ``.whl``).
 On one GPU neither trainer shards: ours keeps bf16 weights with fp32 master bits in the optimiser,
 torchtitan fp32 weights under bf16 autocast (16 bytes a parameter with its gradient and AdamW state, 128 GB
 at 8B before activations: it may not fit one GPU).
@@ -608,6 +613,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.split_check and n > 1 and "ours" in impls:
                 rows.append(run_one(args, "ours", 1, ac, model_dir, data, work, fpt, peak, host, grad_accum=n))
                 write()
+    write()  # the notes of the last runs skipped
     print(json.dumps(targets(merge_rows(previous["rows"], rows)), indent=1))
 
 

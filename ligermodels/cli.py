@@ -24,8 +24,8 @@ def environment_error(e: BaseException) -> str | None:
         return missing_dependency_message([RUNTIME_DEPENDENCIES.get(name, (name, ""))[0]])
     if isinstance(e, torch.OutOfMemoryError):
         return ("out of GPU memory: lower --batch-size (and raise --grad-accum to keep the global batch) or "
-                "--seq-len, or pass --ac selective or --ac full, or --loss-strategy vocab (a loss head without an "
-                "fp32 vocabulary x hidden gradient buffer)")
+                "--seq-len, or pass --ac selective, --ac lean or --ac full, or --loss-strategy vocab (a loss head "
+                "without an fp32 vocabulary x hidden gradient buffer)")
     if isinstance(e, OSError):
         return f"{e}: check that the path exists and is readable, writable, and that its disk has room"
     return None

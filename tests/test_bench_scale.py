@@ -271,8 +271,8 @@ def test_report_renders_a_scaling_file_with_its_targets():
     text = report.scale_table(d)
     assert "| selective | ours | 2 | 90 | - | 30.0 | 0.900 |" in text
     assert "| selective | ours+compile | 2 | failed (see the JSON) | | | |" in text
-    assert "| 1:selective | ours | 1.250 | 0.952 | holds |" in text
-    assert "| 2:selective | ours | 1.154 | 1.200 | **misses** |" in text
+    assert "| 1:selective | ours | titan+compile (selective) | 1.250 | 0.952 | holds |" in text
+    assert "| 2:selective | ours | titan+compile (selective) | 1.154 | 1.200 | **misses** |" in text
     assert "ours:selective on 2 GPUs 0.900 (misses); titan+compile:selective on 2 GPUs 0.975 (holds)" in text
     source = text.split("Sources:")[1].strip()
     assert source == ("- `scale.json`: `python -m benchmarks.bench_scale --gpus 1 2` on H100 (torch 2.11, triton 3.6), "
