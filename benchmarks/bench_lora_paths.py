@@ -6,8 +6,8 @@ This benchmark times, at a model's shapes, each projection's forward and backwar
 attention kernels around them left out):
 
 * ``base``: the frozen projection alone (forward GEMM and input-gradient GEMM): the floor LoRA adds to.
-* ``committed``: :mod:`kernels.low_rank` as the model runs it (fp32 A/B masters; the low-rank term written by
-  one GEMM and read back as the base GEMM's C operand; backward dz, dB, the (M, K) part dz @ A as C, dA).
+* ``committed``: :mod:`kernels.low_rank` as the model runs it (fp32 A/B masters; the base GEMM's output read
+  back as the low-rank GEMM's C operand; backward dz, dB, the (M, K) part dz @ A as C, dA).
 * ``packed-cols`` / ``packed-rows``: the base weight stored in an (N + Tr, K + Tr) buffer whose pad columns
   hold ``scale * B`` and pad rows ``A`` (bf16), so forward is one GEMM over ``[x | x @ A.T]`` (K + Tr), and
   backward either takes dz from the input-gradient GEMM's extra columns (``cols``: ``[dx | dz] = d2 @ buf[:N]``,

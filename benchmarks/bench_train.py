@@ -725,7 +725,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="leading steps left out of the median")
-    ap.add_argument("--ac", choices=("none", "full", "selective"), default="none")
+    ap.add_argument("--ac", choices=("none", "selective", "lean", "full"), default="none",  # train.config.AC_MODES
+                    help="ligermodels.train's --ac; a Trainer checkpoints every layer whole for any mode but none")
     ap.add_argument("--doc-words", default="200,3000", help="document length range in words, LOW,HIGH")
     ap.add_argument("--profile", action="store_true", help="ligermodels.train --profile; table under results/profiles")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run (--max-batch: per implementation)")
