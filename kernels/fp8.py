@@ -277,13 +277,28 @@ def scaled_mm(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch.
     return (dequantize(aq, a_s) @ dequantize(bq, b_s).t()).to(out_dtype)
 
 
+@torch.library.custom_op(f"{LIB}::add_bias_", mutates_args={"out"})
+def add_bias_(out: torch.Tensor, bias: torch.Tensor) -> None:
+    """``out += bias`` in place on a GEMM's (M, N) output. One op, so that selective activation checkpointing, which
+    keeps the GEMM's output, keeps this update with it (``ligermodels.train.parallelize.IN_PLACE_OPS``) rather than
+    apply it a second time when it recomputes a layer."""
+    out.add_(bias)
+
+
+@add_bias_.register_fake
+def _(out: torch.Tensor, bias: torch.Tensor) -> None:
+    return None
+
+
 def fp8_forward(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
     """The forward GEMM on an input already quantised by rows (xq (M, K), xs (M, 1)): W (N, K) quantised by rows
-    here, ``(M, N)`` in ``out_dtype``, plus the bias (added after the GEMM)."""
+    here, ``(M, N)`` in ``out_dtype``, plus the bias (added after the GEMM, in place)."""
     wq, ws = quantize_rows(weight)
     out = scaled_mm(xq, xs, wq, ws, out_dtype)
-    return out if bias is None else out + bias  # not in place: checkpointing may keep the GEMM's output
+    if bias is not None:
+        add_bias_(out, bias)
+    return out
 
 
 def fp8_input_grad(dout: torch.Tensor, weight: torch.Tensor, grad_dtype: torch.dtype) -> torch.Tensor:

@@ -62,10 +62,11 @@ def setup_distributed(device_type: str) -> tuple[int, int, torch.device]:
 GEMM_OPS = {getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm") if hasattr(torch.ops.aten, name)}
 #: Ops that change a GEMM's output in place, its (..., N) output their first argument: the rotary embedding on the
-#: q/k/v projection (with the q/k head norms for Qwen3) and a LoRA projection's adapters' term. Kept, they are not
-#: run again on the kept output when a layer is recomputed; so each is kept exactly when the GEMM before it is.
+#: q/k/v projection (with the q/k head norms for Qwen3), a LoRA projection's second GEMM onto its first (the base
+#: GEMM onto the adapters' term, :func:`kernels.low_rank.low_rank_linear`) and an FP8 GEMM's bias. Kept, they are
+#: not run again on the kept output when a layer is recomputed; so each is kept exactly when the GEMM before it is.
 IN_PLACE_OPS = {torch.ops.ligermodels.rope_qkv_.default, torch.ops.ligermodels.qk_norm_rope_qkv_.default,
-                torch.ops.ligermodels.add_low_rank_.default}
+                torch.ops.ligermodels.gemm_accumulate_.default, torch.ops.ligermodels.add_bias_.default}
 #: Ops whose outputs selective activation checkpointing keeps (the expensive ones); the rest is recomputed.
 SAVED_OPS = GEMM_OPS | {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
