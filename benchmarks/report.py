@@ -289,15 +289,17 @@ def loop_only_table(runs: list[dict], compared: list[dict], lora: bool = False) 
     lines = [f"**{what} alone**, at shapes or on commits without a Trainer run beside it: the last column is the "
              "ratio to the fastest Trainer of the comparison above (another run and machine: for orientation, not "
              "a target check).", "",
-             "| model | batch | run | tokens/s | peak memory (GB) | vs fastest Trainer above |",
-             "|---|---|---|---|---|---|"]
+             "| GPU | model | batch | run | activation checkpointing | tokens/s | peak memory (GB) | "
+             "vs fastest Trainer above |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         by = {}
         for r in run["rows"]:
             by.setdefault(_shape(r), {})[r["impl"]] = r
             hf = trainers.get(_shape(r), [])
             fastest = max(hf, key=lambda x: x["tokens_per_s"]) if hf else None
-            head = f"| {r['model']} | {r['batch']} | {names.get(r['impl'], r['impl'])} |"
+            ac = r.get("ac", run.get("settings", {}).get("ac", "none"))
+            head = (f"| {run['gpu'].replace('NVIDIA ', '')} | {r['model']} | {r['batch']} | "
+                    f"{names.get(r['impl'], r['impl'])} | {ac} |")
             if "error" in r:
                 lines.append(f"{head} {'out of memory' if r.get('oom') else 'failed'} | | |")
                 continue
@@ -306,8 +308,8 @@ def loop_only_table(runs: list[dict], compared: list[dict], lora: bool = False) 
         for shape, impls in by.items():
             if "ligermodels" in impls and "ligermodels-causal" in impls:
                 cost = impls["ligermodels-causal"]["tokens_per_s"] / impls["ligermodels"]["tokens_per_s"] - 1
-                lines.append(f"| {shape[0]} | {shape[1]} | cost of attending within documents (same run) | "
-                             f"{cost:.3f} | | |")
+                lines.append(f"| {run['gpu'].replace('NVIDIA ', '')} | {shape[0]} | {shape[1]} | cost of attending "
+                             f"within documents (same run) | | {cost:.3f} | | |")
     return "\n".join(lines + _sources(runs))
 
 

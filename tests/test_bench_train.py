@@ -389,9 +389,9 @@ def test_report_keeps_a_shapes_comparison_and_lists_newer_runs_without_a_trainer
     assert [(r["model"], r["impl"]) for d in alone_runs for r in d["rows"]] == \
         [("m", "ligermodels"), ("m", "ligermodels-causal"), ("n", "ligermodels")]
     text = report.loop_only_table(alone_runs, compared)
-    assert "| m | 4 | `python -m ligermodels.train` | 110 | 30.0 | 1.375 (hf+compile) |" in text
-    assert "| m | 4 | cost of attending within documents (same run) | 0.100 | | |" in text
-    assert "| n | 4 | `python -m ligermodels.train` | 50 | 30.0 | - |" in text
+    assert "| H100 80GB HBM3 | m | 4 | `python -m ligermodels.train` | none | 110 | 30.0 | 1.375 (hf+compile) |" in text
+    assert "| H100 80GB HBM3 | m | 4 | cost of attending within documents (same run) | | 0.100 | | |" in text
+    assert "| H100 80GB HBM3 | n | 4 | `python -m ligermodels.train` | none | 50 | 30.0 | - |" in text
 
 
 def test_report_keeps_a_lora_comparison_when_a_newer_file_ran_ours_alone(tmp_path, monkeypatch):
@@ -413,5 +413,7 @@ def test_report_keeps_a_lora_comparison_when_a_newer_file_ran_ours_alone(tmp_pat
         [("ligermodels-lora", 13000.0), ("hf+peft+compile", 10000.0)]
     text = report.loop_only_table(report._alone_runs("lora", report._LORA_COMPARISON_IMPLS), runs, lora=True)
     assert "**ligermodels.train --lora-rank alone**" in text
-    assert "| m | 4 | `python -m ligermodels.train --lora-rank ...` | 13,500 | 40.0 | 1.350 (hf+peft+compile) |" in text
-    assert "| m | 4 | the same, `--cuda-graph` | 13,400 | 40.1 | 1.340 (hf+peft+compile) |" in text
+    lora = "`python -m ligermodels.train --lora-rank ...`"
+    assert f"| H100 80GB HBM3 | m | 4 | {lora} | none | 13,500 | 40.0 | 1.350 (hf+peft+compile) |" in text
+    graph = "the same, `--cuda-graph`"
+    assert f"| H100 80GB HBM3 | m | 4 | {graph} | none | 13,400 | 40.1 | 1.340 (hf+peft+compile) |" in text
