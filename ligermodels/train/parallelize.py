@@ -112,9 +112,9 @@ def apply_activation_checkpointing(model: CausalLM, mode: str) -> None:
     """Wrap each decoder layer (``mode``, one of :data:`AC_MODES`): "full" recomputes it in backward; "selective"
     recomputes all but the GEMMs and attention (:func:`selective_policy`); "lean" recomputes the gate/up
     projection too (:func:`lean_policy`). What a layer keeps, a token, at Llama-3.1-8B's shape in bf16: its input
-    (8 KB) with "full"; with "selective" also the q/k/v (12 KB), attention (8 KB), o (8 KB), gate/up (56 KB) and
-    down (8 KB) projections' outputs, 100 KB; "lean" keeps 44 KB, for 18% more GEMM flops a step (the gate/up
-    GEMM, 2 x 4096 x 28672 flops a token, runs again in backward).
+    (8 KiB) with "full"; with "selective" also the q/k/v (12 KiB), attention (8 KiB), o (8 KiB), gate/up (56 KiB)
+    and down (8 KiB) projections' outputs, 100 KiB; "lean" keeps 44 KiB, for 18% more GEMM flops a step (the
+    gate/up GEMM, 2 x 4096 x 28672 flops a token, runs again in backward).
 
     The wrapped layers' norms and MLP then keep their outputs for backward (``RMSNorm.keep_output``,
     ``MLP.keep_activation``) instead of writing them again there: inside a checkpoint nothing saved
