@@ -292,14 +292,13 @@ def loop_only_table(runs: list[dict], compared: list[dict], lora: bool = False) 
              "| GPU | model | batch | run | activation checkpointing | tokens/s | peak memory (GB) | "
              "vs fastest Trainer above |", "|---|---|---|---|---|---|---|---|"]
     for run in runs:
-        by = {}
+        by, gpu = {}, run["gpu"].replace("NVIDIA ", "")
         for r in run["rows"]:
             by.setdefault(_shape(r), {})[r["impl"]] = r
             hf = trainers.get(_shape(r), [])
             fastest = max(hf, key=lambda x: x["tokens_per_s"]) if hf else None
             ac = r.get("ac", run.get("settings", {}).get("ac", "none"))
-            head = (f"| {run['gpu'].replace('NVIDIA ', '')} | {r['model']} | {r['batch']} | "
-                    f"{names.get(r['impl'], r['impl'])} | {ac} |")
+            head = f"| {gpu} | {r['model']} | {r['batch']} | {names.get(r['impl'], r['impl'])} | {ac} |"
             if "error" in r:
                 lines.append(f"{head} {'out of memory' if r.get('oom') else 'failed'} | | |")
                 continue
@@ -308,8 +307,8 @@ def loop_only_table(runs: list[dict], compared: list[dict], lora: bool = False) 
         for shape, impls in by.items():
             if "ligermodels" in impls and "ligermodels-causal" in impls:
                 cost = impls["ligermodels-causal"]["tokens_per_s"] / impls["ligermodels"]["tokens_per_s"] - 1
-                lines.append(f"| {run['gpu'].replace('NVIDIA ', '')} | {shape[0]} | {shape[1]} | cost of attending "
-                             f"within documents (same run) | | {cost:.3f} | | |")
+                lines.append(f"| {gpu} | {shape[0]} | {shape[1]} | cost of attending within documents (same run) "
+                             f"| | {cost:.3f} | | |")
     return "\n".join(lines + _sources(runs))
 
 
@@ -408,10 +407,11 @@ def training() -> str:
 
 
 def lora() -> str:
-    parts = [lora_table(g) for g in _groups(_of_kind(_lora_runs(), moe=False))]
+    dense = _of_kind(_lora_runs(), moe=False)
+    parts = [lora_table(g) for g in _groups(dense)]
     alone = _of_kind(_alone_runs("lora", _LORA_COMPARISON_IMPLS), moe=False)
     if alone:
-        parts.append(loop_only_table(alone, _of_kind(_lora_runs(), moe=False), lora=True))
+        parts.append(loop_only_table(alone, dense, lora=True))
     return "\n\n".join(parts) or "No results committed yet."
 
 

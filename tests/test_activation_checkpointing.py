@@ -12,6 +12,7 @@ from ligermodels.config import DecoderConfig
 from ligermodels.lora import add_lora, trainable_parameters
 from ligermodels.model import CausalLM
 from ligermodels.train.parallelize import apply_activation_checkpointing, gate_up_widths, output_width
+from tests.utils import DEVICE, assert_triton_runs
 
 DENSE = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_layers=2, num_heads=4, num_kv_heads=2)
 MODELS = {
@@ -40,7 +41,7 @@ class GemmCount(TorchDispatchMode):
 
 def _model(kind: str, mode: str, lora: bool, fp8: bool) -> CausalLM:
     torch.manual_seed(0)
-    model = CausalLM(DecoderConfig(**MODELS[kind])).init_weights(0.2)
+    model = CausalLM(DecoderConfig(**MODELS[kind])).init_weights(0.2).to(DEVICE)
     if lora:
         experts = kind == "moe"  # the experts' adapters are added to their weights: no dropout there (as PEFT)
         model = add_lora(model, r=2, alpha=4, dropout=0.0 if experts else 0.25, targets=ALL + ["experts"] * experts)
@@ -55,7 +56,8 @@ def _model(kind: str, mode: str, lora: bool, fp8: bool) -> CausalLM:
 def _run(kind: str, mode: str, lora: bool = False, fp8: bool = False):
     """(gradients, GEMMs in forward, GEMMs in backward, of which of the gate/up width) of one step."""
     model = _model(kind, mode, lora, fp8)
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert_triton_runs(model.embed.weight)  # the kernels' custom ops, not their PyTorch references
     params = trainable_parameters(model) if lora else list(model.parameters())
     widths = gate_up_widths(model.config)
     torch.manual_seed(2)  # the adapters' dropout masks: the same draws in every mode
