@@ -417,3 +417,14 @@ def test_report_keeps_a_lora_comparison_when_a_newer_file_ran_ours_alone(tmp_pat
     assert f"| H100 80GB HBM3 | m | 4 | {lora} | none | 13,500 | 40.0 | 1.350 (hf+peft+compile) |" in text
     graph = "the same, `--cuda-graph`"
     assert f"| H100 80GB HBM3 | m | 4 | {graph} | none | 13,400 | 40.1 | 1.340 (hf+peft+compile) |" in text
+
+
+def test_ac_choices_are_the_trainers_modes():
+    """bench_train keeps ligermodels out of its Trainer workers' imports, so its --ac choices are written out: the
+    same as ligermodels.train's: each of them accepted, an unknown one refused."""
+    from ligermodels.train.config import AC_MODES
+
+    for mode in AC_MODES:
+        assert bt.parse_args(["--out", "o", "--ac", mode]).ac == mode
+    with pytest.raises(SystemExit):
+        bt.parse_args(["--out", "o", "--ac", "partial"])
