@@ -8,9 +8,13 @@ preference benchmark's micro-batch (4 pairs; each sequence a 256-token prompt an
 tokens) at the heads of Qwen2-1.5B (V 151,936, H 1,536) and Llama-3.2-1B (V 128,256, H 2,048), bf16.
 
 * ``ligermodels``: what ``python -m ligermodels.train --objective dpo`` runs on a packed row: the tokens of all
-  sequences in one (N, H) tensor, ``kernels.logprobs.fused_linear_logprobs`` (the chunked fused-linear loop, no
-  (N, V) logits) for the policy and, without gradients, the reference; per-sequence sums over completion tokens
+  sequences in one (N, H) tensor, each pair's two sequences side by side (a gather of the hidden states here, whose
+  cost is in the row), ``kernels.logprobs.fused_linear_logprob_loss`` for the policy (the chunked fused-linear loop,
+  no (N, V) logits, chunks of whole pairs whose DPO gradient is taken in the forward: 3 GEMMs of the head) and
+  ``fused_linear_logprobs`` without gradients for the reference; per-sequence sums over completion tokens
   (``sequence_sums``); ``ligermodels.train.objectives.dpo_terms``.
+* ``ligermodels-per-token``: the same with the policy's log-probs from ``fused_linear_logprobs`` and autograd
+  through the loss (the logits recomputed in backward: 4 GEMMs), the head a loss of any form takes.
 * ``liger-kernel``: ``LigerFusedLinearDPOLoss(beta=0.1, use_ref_model=True)`` (its default chunking and
   ``torch.compile``d chunk function) on the same tokens laid out as it takes them: (2P, S, H) hidden states, chosen
   rows first, prompt positions labelled -100.
@@ -77,6 +81,33 @@ def ours(inp: dict) -> torch.Tensor:
     return losses.mean()
 
 
+def ours_fused(inp: dict) -> torch.Tensor:
+    """The trainer's DPO head: pairs side by side, the gradient taken in the forward."""
+    from kernels.logprobs import fused_linear_logprob_loss, fused_linear_logprobs, sequence_sums
+    from ligermodels.train.objectives import dpo_terms
+
+    seqs, seq, hidden = inp["hidden"].shape
+    pairs = seqs // 2
+    order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1).to(inp["target"].device)
+    target = inp["target"][order].reshape(-1)  # chosen 0, rejected 0, chosen 1, ...
+    segments = torch.arange(seqs, device=target.device).repeat_interleave(seq)
+    completion = target != -100
+    with torch.no_grad():
+        ref_tok = fused_linear_logprobs(inp["ref_hidden"][order].reshape(-1, hidden), inp["ref_weight"], target)
+        ref = sequence_sums(ref_tok, segments, seqs, completion)
+    config = SimpleNamespace(beta=BETA, label_smoothing=0.0, dpo_loss="sigmoid")
+    lens = torch.full((seqs,), float(completion.sum() / seqs), device=target.device)
+
+    def loss_fn(tok: torch.Tensor) -> torch.Tensor:
+        pol = sequence_sums(tok, segments, seqs, completion)
+        losses, _ = dpo_terms(config, pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2])
+        return losses.mean()
+
+    ends = [2 * seq * (i + 1) for i in range(pairs)]
+    return fused_linear_logprob_loss(inp["hidden"][order].reshape(-1, hidden), inp["weight"], target, loss_fn,
+                                     ends)[0]
+
+
 def liger(inp: dict, module) -> torch.Tensor:
     out = module(inp["weight"], inp["hidden"], inp["target"], ref_input=inp["ref_hidden"],
                  ref_weight=inp["ref_weight"])
@@ -115,7 +146,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = []
     for name in HEADS:
-        impls = {"ligermodels": ours}
+        impls = {"ligermodels": ours_fused, "ligermodels-per-token": ours}
         try:
             from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
 

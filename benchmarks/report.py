@@ -829,7 +829,8 @@ def dpo_head_table(d: dict) -> str:
              f"log-probs without, sigmoid DPO (beta {st['beta']}); forward + backward. Wall time with the host; GPU "
              "time of the same call; peak memory beyond the inputs and the gradient buffers (GB = 1e9 B).", "",
              "| head (V x H) | implementation | loss | wall ms | GPU ms | peak extra GB |", "|---|---|---|---|---|---|"]
-    names = {"ligermodels": "ligermodels (`fused_linear_logprobs` + `dpo_terms`)",
+    names = {"ligermodels": "ligermodels (`fused_linear_logprob_loss` + `dpo_terms`: the trainer's)",
+             "ligermodels-per-token": "ligermodels (`fused_linear_logprobs` + `dpo_terms`)",
              "liger-kernel": f"Liger-Kernel {d.get('liger_kernel') or ''} `LigerFusedLinearDPOLoss`".replace("  ", " ")}
     for r in d["rows"]:
         head = f"{_name(r['head'])} ({r.get('vocab', '?')} x {r.get('hidden', '?')})"

@@ -19,7 +19,8 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
   take a ``LowRank`` too)
 - :mod:`kernels.cross_entropy`: ``cross_entropy``, ``fused_linear_cross_entropy``
 - :mod:`kernels.logprobs`: ``fused_linear_logprobs``, ``fused_linear_sequence_logprobs`` (next-token
-  log-probabilities, per token and summed per sequence, on the chunked cross-entropy loop)
+  log-probabilities, per token and summed per sequence, on the chunked cross-entropy loop),
+  ``fused_linear_logprob_loss`` (a loss of them that sums per-group terms, its gradient taken in the forward)
 - :mod:`kernels.moe`: ``moe_mlp`` (mixture-of-experts MLP: fused routing, permutation, grouped GEMMs, scaled GLU,
   combine), ``moe_mlp_reference``, ``load_balancing_loss``
 - :mod:`kernels.adamw`: ``AdamW`` (``torch.optim.AdamW`` with a Triton update kernel; an optimiser, not an op)
@@ -31,7 +32,7 @@ from kernels.attention import document_attention, document_bounds
 from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
 from kernels.fp8 import fp8_linear
 from kernels.glu import geglu, glu_linear, swiglu
-from kernels.logprobs import fused_linear_logprobs, fused_linear_sequence_logprobs
+from kernels.logprobs import fused_linear_logprob_loss, fused_linear_logprobs, fused_linear_sequence_logprobs
 from kernels.low_rank import LowRank, lora_linear
 from kernels.moe import load_balancing_loss, moe_mlp, moe_mlp_reference
 from kernels.norm_linear import rms_norm_linear
@@ -42,5 +43,5 @@ __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_nor
            "apply_rope_qkv_", "apply_qk_norm_rope_qkv_", "swiglu", "geglu", "glu_linear", "fp8_linear", "LowRank",
            "lora_linear",
            "cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs",
-           "fused_linear_sequence_logprobs", "AdamW", "document_attention", "document_bounds", "moe_mlp",
-           "moe_mlp_reference", "load_balancing_loss"]
+           "fused_linear_sequence_logprobs", "fused_linear_logprob_loss", "AdamW", "document_attention",
+           "document_bounds", "moe_mlp", "moe_mlp_reference", "load_balancing_loss"]

@@ -530,8 +530,9 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: 
 
 
 def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-               g: torch.Tensor, lse_in: torch.Tensor | None, ignore_index: int, eps: float, zscale: float,
-               cap: float, want_h: bool, want_w: bool, want_b: bool):
+               g: torch.Tensor | None, lse_in: torch.Tensor | None, ignore_index: int, eps: float, zscale: float,
+               cap: float, want_h: bool, want_w: bool, want_b: bool,
+               chunks: list[tuple[int, int]] | None = None, chunk_grad=None):
     """The chunk loop shared by forward ("mean"/"sum": loss + gradients; "none": loss) and backward ("none").
 
     ``g``: 0-dim (the 1/count scale) or (N,) per-token upstream gradient; ``lse_in``: per-token lse when
@@ -539,6 +540,13 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     dh (N, H) hidden dtype, dW (V, H) in :func:`_dw_dtype`, db (V,) fp32), with (0,) placeholders for what
     is not asked. dW accumulates in fp32 and is rounded once, here; with the plan's ``split`` its fp32 rows sit
     in two halves, and the first is cast into the chunk buffer and freed before dW is allocated (module docstring).
+
+    ``chunks`` (token ranges covering [0, N) in order) replaces the plan's chunking; with ``chunk_grad`` (forward
+    only, ``g`` None) each chunk's upstream gradient is learnt inside the loop: the CE kernel first writes the
+    chunk's loss and lse only, ``chunk_grad(start, end, loss[start:end])`` returns the chunk's fp32 per-token
+    gradient (end - start,), and the kernel then turns the logits, still in the buffer, into their gradient
+    (:func:`kernels.logprobs.fused_linear_logprob_loss`: 3 GEMMs where a per-token gradient known only after the
+    forward takes 4).
     """
     n, h_size = hidden.shape
     v = weight.shape[0]
@@ -553,25 +561,35 @@ def _flce_loop(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     db = torch.zeros(v if want_b else 0, **f32)
     if n == 0:
         return loss, lse, dh, torch.zeros((v, h_size) if want_w else (0,), dtype=_dw_dtype(weight), device=dev), db
-    plan = flce_chunk_plan(n, h_size, v, dt, grad_weight=want_w)
-    c, split = plan.chunk_size, plan.split and weight.dtype == dt
+    if chunks is None:
+        plan = flce_chunk_plan(n, h_size, v, dt, grad_weight=want_w)
+        c, split, store_size = plan.chunk_size, plan.split and weight.dtype == dt, plan.chunk_bytes // dt.itemsize
+        chunks = [(s, min(s + c, n)) for s in range(0, n, c)]
+    else:
+        c, split = max(e - s for s, e in chunks), False
+        store_size = c * v
     va = (v + 1) // 2 if split else v  # the accumulator's first part: rows [0, va)
     # fp32 accumulators, overwritten by the first chunk (beta = 0)
     acc = [torch.empty((va, h_size), **f32), torch.empty((v - va, h_size), **f32)] if want_w else []
-    store = torch.empty(plan.chunk_bytes // dt.itemsize, dtype=dt, device=dev)  # split: at least half of dW
+    store = torch.empty(store_size, dtype=dt, device=dev)  # split: at least half of dW
     buf = store[:min(c, n) * v].view(min(c, n), v)
     wt = weight.t()
-    per_token_g = g.dim() == 1
-    stride_g = g.stride(0) if per_token_g else 0
-    for s in range(0, n, c):
-        e = min(s + c, n)
+    per_token_g = g is not None and g.dim() == 1
+    stride_g = 1 if chunk_grad is not None else g.stride(0) if per_token_g else 0
+    for s, e in chunks:
         hc, logits = hidden[s:e], buf[: e - s]
         if bias is None:
             torch.mm(hc, wt, out=logits)
         else:
             torch.addmm(bias, hc, wt, out=logits)
-        _launch_ce(_ce_kernel, logits, logits, target[s:e], loss[s:e] if fwd else lse, lse[s:e],
-                   g[s:e] if per_token_g else g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd)
+        if chunk_grad is None:
+            _launch_ce(_ce_kernel, logits, logits, target[s:e], loss[s:e] if fwd else lse, lse[s:e],
+                       g[s:e] if per_token_g else g, stride_g, ignore_index, eps, zscale, cap, fwd, bwd)
+        else:  # the loss, then its gradient from what the chunk's loss says, then the logits' gradient in place
+            _launch_ce(_ce_kernel, logits, logits, target[s:e], loss[s:e], lse[s:e], lse, 0, ignore_index, eps,
+                       zscale, cap, True, False)
+            _launch_ce(_ce_kernel, logits, logits, target[s:e], lse, lse[s:e], chunk_grad(s, e, loss[s:e]),
+                       stride_g, ignore_index, eps, zscale, cap, False, True)
         if want_h:
             torch.mm(logits, weight, out=dh[s:e])
         if want_w:  # (no name is kept for logits.t(): a view of the chunk buffer would keep it alive below)
@@ -989,36 +1007,57 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     """
     _check_options(ignore_index, label_smoothing, lse_square_scale, softcap, reduction)
     _check_strategy(strategy)
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1] or weight.shape[0] == 0:
-        raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
-                         f"{tuple(weight.shape)} do not fit (weight must be (V, H), V > 0)")
-    if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"fused_linear_cross_entropy: bias shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
-    check_floating("fused_linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
-    _check_target(target, hidden.shape[:-1], "fused_linear_cross_entropy")
+    check_head_inputs("fused_linear_cross_entropy", hidden, weight, bias, target)
     if not use_triton(hidden) or hidden.dtype == torch.float64:
         return fused_linear_cross_entropy_reference(hidden, weight, target, bias, ignore_index, label_smoothing,
                                                     lse_square_scale, softcap, reduction, num_items)
+    h2, weight, bias, t, wants = head_operands("fused_linear_cross_entropy", hidden, weight, bias, target)
+    loss = FusedLinearCrossEntropyFunction.apply(
+        h2, weight, bias, t, num_items if reduction == "mean" else None, ignore_index, float(label_smoothing),
+        float(lse_square_scale), float(softcap or 0.0), reduction, *wants, strategy)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def check_head_inputs(what: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      target: torch.Tensor) -> None:
+    """The shape and dtype checks of a fused linear head's arguments: hidden (..., H), weight (V, H), bias (V,),
+    integer target (...); ``what`` names the op in the error."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"{what}: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit (weight "
+                         "must be (V, H), V > 0)")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"{what}: bias shape {tuple(bias.shape)}, expected ({weight.shape[0]},)")
+    check_floating(what, hidden=hidden, weight=weight, bias=bias)
+    _check_target(target, hidden.shape[:-1], what)
+
+
+def head_operands(what: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  target: torch.Tensor):
+    """What the Triton chunk loop takes, from checked arguments: (hidden (N, H) with unit last stride, weight,
+    bias, target (N,) contiguous, (want_h, want_w, want_b)); the matmul operands in the autocast dtype when autocast
+    is on, as ``F.linear`` would run them."""
     dev_type = hidden.device.type
-    if torch.is_autocast_enabled(dev_type):  # as F.linear would: run the matmuls in the autocast dtype
+    if torch.is_autocast_enabled(dev_type):
         dt = torch.get_autocast_dtype(dev_type)
         hidden, weight = hidden.to(dt), weight.to(dt)
         bias = bias.to(dt) if bias is not None else None
     if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        raise TypeError(f"fused_linear_cross_entropy: hidden, weight and bias must share one dtype, got "
-                        f"{hidden.dtype}, {weight.dtype}, {bias.dtype if bias is not None else None}")
+        raise TypeError(f"{what}: hidden, weight and bias must share one dtype, got {hidden.dtype}, {weight.dtype}, "
+                        f"{bias.dtype if bias is not None else None}")
     if weight.device != hidden.device or target.device != hidden.device or (
             bias is not None and bias.device != hidden.device):
-        raise ValueError("fused_linear_cross_entropy: hidden, weight, bias and target must be on one device")
+        raise ValueError(f"{what}: hidden, weight, bias and target must be on one device")
     grad_on = torch.is_grad_enabled()
-    want_h = grad_on and hidden.requires_grad
-    want_w = grad_on and weight.requires_grad
-    want_b = grad_on and bias is not None and bias.requires_grad
+    wants = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+             grad_on and bias is not None and bias.requires_grad)
     h2 = hidden.reshape(n_rows(hidden), hidden.shape[-1])
-    if h2.stride(-1) != 1:
-        h2 = h2.contiguous()
-    loss = FusedLinearCrossEntropyFunction.apply(
-        h2, weight, bias, target.reshape(-1).contiguous(), num_items if reduction == "mean" else None, ignore_index,
-        float(label_smoothing), float(lse_square_scale), float(softcap or 0.0), reduction, want_h, want_w, want_b,
-        strategy)
-    return loss.reshape(target.shape) if reduction == "none" else loss
+    return (h2 if h2.stride(-1) == 1 else h2.contiguous()), weight, bias, target.reshape(-1).contiguous(), wants
+
+
+def flce_chunk_tokens(vocab_size: int, dtype: torch.dtype) -> int:
+    """The most tokens a "tokens" chunk holds: ``FLCE_CHUNK_SIZE`` when set, else what a (C, V) buffer in
+    ``dtype`` fits in ``FLCE_CHUNK_BUDGET_BYTES``, rounded to a GEMM-friendly size."""
+    if FLCE_CHUNK_SIZE is not None:
+        return FLCE_CHUNK_SIZE
+    return _round_chunk(max(FLCE_CHUNK_BUDGET_BYTES // max(vocab_size * torch.empty((), dtype=dtype).element_size(),
+                                                             1), 1))

@@ -288,11 +288,12 @@ def test_lora_paths_one_pass_prototype_computes_dz_and_db():
 
 # ------------------------------------------------------------------------------------ DPO loss head
 def test_dpo_head_benchmark_times_the_sigmoid_dpo_loss_of_its_pairs():
-    """bench_dpo_head's ligermodels side is the sigmoid DPO loss (beta 0.1) of the pairs' summed completion
-    log-probs, policy against reference: a float64 computation from full logits agrees (fp32 inputs, odd sizes)."""
+    """bench_dpo_head's ligermodels sides (the trainer's head, and the per-token one) are the sigmoid DPO loss
+    (beta 0.1) of the pairs' summed completion log-probs, policy against reference: a float64 computation from full
+    logits agrees (fp32 inputs, odd sizes)."""
     import torch.nn.functional as F
 
-    from benchmarks.bench_dpo_head import BETA, make_inputs, ours
+    from benchmarks.bench_dpo_head import BETA, make_inputs, ours, ours_fused
 
     inp = make_inputs(97, 16, device=DEVICE.type, pairs=3, prompt=5, completion=7, dtype=torch.float32)
 
@@ -303,4 +304,6 @@ def test_dpo_head_benchmark_times_the_sigmoid_dpo_loss_of_its_pairs():
 
     pol, ref = logps(inp["hidden"], inp["weight"]), logps(inp["ref_hidden"], inp["ref_weight"])
     delta = (pol[:3] - ref[:3]) - (pol[3:] - ref[3:])
-    assert float(ours(inp)) == pytest.approx(float(-F.logsigmoid(BETA * delta).mean()), rel=1e-6)
+    expected = float(-F.logsigmoid(BETA * delta).mean())
+    assert float(ours(inp)) == pytest.approx(expected, rel=1e-6)
+    assert float(ours_fused(inp)) == pytest.approx(expected, rel=1e-6)

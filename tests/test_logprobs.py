@@ -22,9 +22,12 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.logprobs import (
+    fused_linear_logprob_loss,
     fused_linear_logprobs,
     fused_linear_sequence_logprobs,
     fused_linear_sequence_logprobs_reference,
@@ -210,6 +213,107 @@ def test_token_logprobs_are_log_softmax_of_the_logits():
     keep = target != -100
     ref = torch.where(keep, z.gather(-1, target.clamp_min(0).unsqueeze(-1)).squeeze(-1), 0.0)
     assert_rel(out, ref, torch.float32, "log-probabilities")
+
+
+# ------------------------------------------------------------------------- a separable loss taken in the forward
+#: groups of tokens (ends) and their pairs of segments: every group fits a 16-token chunk, several share one
+GROUP_ENDS = [7, 15, 16, 30, 41, 45]
+
+
+class HeadGemms(TorchDispatchMode):
+    """Counts the matrix products that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default,
+                               torch.ops.aten.addmm.out, torch.ops.aten.addmm.dtype_out)
+        return func(*args, **(kwargs or {}))
+
+
+def _pair_loss(seg: torch.Tensor, mask: torch.Tensor):
+    """A DPO-shaped loss of per-token log-probs: -logsigmoid of each pair's masked sum difference (segments 2g and
+    2g + 1 form pair g), plus a masked per-token term, as ORPO's NLL adds."""
+    def loss_fn(logp: torch.Tensor) -> torch.Tensor:
+        sums = sequence_sums(logp, seg, 12, mask)
+        return -F.logsigmoid(0.7 * (sums[0::2] - sums[1::2])).sum() - 0.05 * (logp * mask).sum()
+    return loss_fn
+
+
+def _grouped_case(n_tokens=N_TOKENS):
+    """Segments 2g, 2g + 1 split each group's tokens in two halves (group g: tokens [ends[g - 1], ends[g]))."""
+    seg = torch.empty(n_tokens, dtype=torch.long)
+    for g, (start, end) in enumerate(zip([0, *GROUP_ENDS], GROUP_ENDS, strict=False)):
+        mid = (start + end + 1) // 2
+        seg[start:mid], seg[mid:end] = 2 * g, 2 * g + 1
+    g = torch.Generator().manual_seed(60)
+    mask = (torch.rand(n_tokens, generator=g) < 0.8).float()
+    return seg.to(DEVICE), mask.to(DEVICE)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["no_softcap", "softcap"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_a_loss_of_whole_groups_takes_three_head_gemms_and_matches_float64(dtype, softcap):
+    """``fused_linear_logprob_loss``: the loss, the log-probs and the gradients of hidden, weight and bias against
+    float64 autograd through the materialised logits, with 3 chunks of whole groups (16, 14, 15 tokens) and 3 GEMMs
+    a chunk, all in the forward: the backward runs none."""
+    hidden, weight, b = _case(dtype, softcap is None, seed=61)
+    target = _targets(N_TOKENS, seed=62)
+    seg, mask = _grouped_case()
+    loss_fn = _pair_loss(seg, mask)
+    assert_triton_runs(hidden)
+    with HeadGemms() as forward:
+        loss, logp = fused_linear_logprob_loss(hidden, weight, target, loss_fn, GROUP_ENDS, b, softcap=softcap)
+    assert forward.count == 3 * 3, forward.count
+    assert not logp.requires_grad and logp.dtype == torch.float32 and loss.dtype == torch.float32
+    with HeadGemms() as backward:
+        (1.5 * loss).backward()
+    assert backward.count == 0
+
+    h, w, bb = _leaves64(hidden, weight, b)
+    ref_logp = fused_linear_sequence_logprobs_reference(h, w, target, torch.arange(N_TOKENS, device=DEVICE),
+                                                        N_TOKENS, None, bb, softcap=softcap)
+    ref = loss_fn(ref_logp)
+    (1.5 * ref).backward()
+    assert_rel(loss, ref, dtype, "loss")
+    assert_rel(logp, ref_logp.detach(), dtype, "log-probabilities")
+    assert_rel(hidden.grad, h.grad, dtype, "dhidden")
+    assert_rel(weight.grad, w.grad, dtype, "dweight")
+    if b is not None:
+        assert_rel(b.grad, bb.grad, dtype, "dbias")
+
+
+def test_groups_that_do_not_fit_a_chunk_take_the_per_token_head_with_the_same_result(op_calls):
+    """A group longer than the chunk budget (one group of all 45 tokens against chunks of 16), the "vocab" strategy
+    or no gradient: the per-token head (its 4 GEMMs a chunk) and autograd through the loss, the same numbers."""
+    seg, mask = _grouped_case()
+    loss_fn = _pair_loss(seg, mask)
+    target = _targets(N_TOKENS, seed=63)
+    results = {}
+    for name, ends, strategy in (("fused", GROUP_ENDS, "tokens"), ("long group", [N_TOKENS], "tokens"),
+                                 ("vocab", GROUP_ENDS, "vocab")):
+        hidden, weight, _ = _case(torch.float32, False, seed=64)
+        loss, logp = fused_linear_logprob_loss(hidden, weight, target, loss_fn, ends, strategy=strategy)
+        loss.backward()
+        results[name] = (loss, logp, hidden.grad, weight.grad)
+    assert op_calls == {"_flce_fwd": 1, "_flce_bwd": 1, "_flce_vocab_fwd": 1, "_flce_vocab_bwd": 1}, op_calls
+    for name in ("long group", "vocab"):
+        for ours, theirs in zip(results[name], results["fused"], strict=True):
+            assert rel_err(ours, theirs) <= 1e-5, name
+    hidden, weight, _ = _case(torch.float32, False, seed=64)
+    with torch.no_grad():
+        loss, _ = fused_linear_logprob_loss(hidden, weight, target, loss_fn, GROUP_ENDS)
+    assert rel_err(loss, results["fused"][0]) <= 1e-6
+
+
+@pytest.mark.parametrize("ends, message", [([7, 15, 44], "end at the 45 tokens"), ([7, 5, 45], "must increase"),
+                                           ([], "end at the 45")])
+def test_group_ends_that_do_not_cover_the_tokens_in_order_are_refused(ends, message):
+    hidden, weight, _ = _case(torch.float32, False, seed=65)
+    with pytest.raises(ValueError, match=message):
+        fused_linear_logprob_loss(hidden, weight, _targets(N_TOKENS), lambda logp: logp.sum(), ends)
 
 
 # ------------------------------------------------------------------------------------------- sequence_sums

@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+import kernels.logprobs
 from ligermodels import CausalLM
 from ligermodels.hf_io import hf_tensors
 from ligermodels.train.checkpointing import load_reference_logps
@@ -28,7 +29,7 @@ from ligermodels.train.objectives import PreferenceTask
 from ligermodels.train.preference import make_batch
 from tests.test_chat import _checkpoint_dir
 from tests.test_train import ENV, ROOT, TIMEOUT
-from tests.utils import rel_err
+from tests.utils import DEVICE, assert_triton_runs, rel_err
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -206,6 +207,40 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
     task.graph_room = (lengths[longest] + lengths[shortest], task.graph_room[1] and 10_000)
     assert task.graph_inputs(make_batch(task.examples, [longest, shortest]), counts) is not None
     assert task.graph_inputs(make_batch(task.examples, [longest, longest]), counts) is None
+
+
+@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "kto"])
+def test_the_head_taking_the_gradient_in_its_forward_takes_the_per_token_heads_step(tmp_path, case, monkeypatch):
+    """The step on the device under test (the Triton kernels; on the CPU through the interpreter): chunks of whole
+    pairs (KTO: examples), the loss's gradient taken inside the head's forward, against the per-token head and
+    autograd through the loss (every pair made longer than a chunk): the same loss, metric sums and gradients.
+    ORPO adds a per-token term (the chosen NLL) to the per-pair one."""
+    options, kind, _ = CASES[case]
+    records = UNPAIRED if kind == "kto" else PAIRS
+    task, model = _ours(_tiny_checkpoint(tmp_path, "llama3"), _write(tmp_path / "data.jsonl", records), options,
+                        str(tmp_path / "out"), len(records))
+    model = model.to(DEVICE)
+    assert_triton_runs(model.embed.weight)
+    if kind in ("dpo", "kto"):
+        task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
+    index = list(range(len(records)))[::-1]
+    counts, batch = task.counts(index, 1, DEVICE), make_batch(task.examples, index)
+    assert len(batch.rows.group_ends) == len(records)
+    longest = max(b - a for a, b in zip((0, *batch.rows.group_ends), batch.rows.group_ends, strict=False))
+    chunks = []
+    loop = kernels.logprobs._flce_loop
+    monkeypatch.setattr(kernels.logprobs, "_flce_loop", lambda *a, **k: chunks.append(k["chunks"]) or loop(*a, **k))
+    runs = {}
+    for name, limit in (("in the forward", longest), ("per token", longest - 1)):
+        monkeypatch.setattr(kernels.logprobs, "flce_chunk_tokens", lambda *_, n=limit: n)
+        model.zero_grad(set_to_none=True)
+        stats = task.forward_backward(model, batch, counts, 1, DEVICE)
+        runs[name] = stats, {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert len(chunks) == 1 and len(chunks[0]) >= 2, chunks  # the first run's chunks, the second took the other head
+    (fused, fused_grads), (per_token, per_token_grads) = runs["in the forward"], runs["per token"]
+    assert rel_err(fused, per_token) <= 1e-5, (fused, per_token)
+    for n, g in per_token_grads.items():
+        assert rel_err(fused_grads[n], g) <= 1e-5, (n, rel_err(fused_grads[n], g))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")

@@ -388,17 +388,21 @@ def test_a_padded_row_adds_documents_of_at_most_seq_len_that_no_sum_reads():
         p.padded(6, 4)
 
 
-def test_a_batch_packs_chosen_then_rejected_and_kto_its_kl_row():
+def test_a_batch_packs_each_pair_side_by_side_and_kto_its_kl_row():
+    """Pairs whole and in order (chosen, rejected: segments 2i, 2i + 1), each pair a group of the loss head."""
     a = PreferenceExample((Sequence([1, 2, 3], 1), Sequence([1, 4], 1)), "a")
     b = PreferenceExample((Sequence([5, 6], 1), Sequence([5, 7, 8], 1)), "b")
     batch = make_batch([a, b], [1, 0])
-    assert batch.rows.input_ids.tolist() == [[5, 6, 1, 2, 3, 5, 7, 8, 1, 4]]
+    assert batch.rows.input_ids.tolist() == [[5, 6, 5, 7, 8, 1, 2, 3, 1, 4]]
     assert batch.rows.position_ids.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2, 0, 1]]
+    assert batch.rows.group_ends == (5, 10)
+    assert batch.rows.segment[batch.rows.completion].tolist() == [0, 1, 1, 2, 2, 3]
+    assert batch.rows.completion_lens.tolist() == [1.0, 2.0, 2.0, 1.0]
     assert batch.index.tolist() == [1, 0] and batch.kl is None and batch.labels is None
     k1 = PreferenceExample((Sequence([1, 2], 1),), "k1", label=True, kl=Sequence([1, 9, 9], 1))
     k2 = PreferenceExample((Sequence([3, 9, 9], 1),), "k2", label=False, kl=Sequence([3, 2], 1))
     batch = make_batch([k1, k2], [0, 1])
-    assert batch.rows.input_ids.tolist() == [[1, 2, 3, 9, 9]]
+    assert batch.rows.input_ids.tolist() == [[1, 2, 3, 9, 9]] and batch.rows.group_ends == (2, 5)
     assert batch.kl.input_ids.tolist() == [[1, 9, 9, 3, 2]]
     assert batch.kl.segment[batch.kl.completion].tolist() == [0, 0, 1]
     assert batch.labels.tolist() == [True, False]

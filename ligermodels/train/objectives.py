@@ -265,8 +265,7 @@ class PreferenceTask:
         with adapters_disabled(reference):  # LoRA: the base; a plain model has no adapters to disable
             first = self.sequence_logps(reference, batch.rows)[1]
             second = None if batch.kl is None else self.sequence_logps(reference, batch.kl)[1]
-        p = batch.size
-        return torch.stack([first[:p], first[p:]] if second is None else [first, second], dim=1)
+        return torch.stack([first[0::2], first[1::2]] if second is None else [first, second], dim=1)
 
     def compute_reference_logps(self, model: CausalLM, rank: int, world: int, device: torch.device) -> torch.Tensor:
         """Every example's reference log-probs (examples, 2), fp32 on the host: one pass in file order, micro-batches
@@ -308,42 +307,58 @@ class PreferenceTask:
     def loss(self, model: CausalLM, batch: PreferenceBatch, ref: torch.Tensor | None, norms: dict, world: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss, [loss, each metric's sum]) of one micro-batch on the device, the loss divided by the global counts
-        (``norms``); ``ref`` the stored reference log-probs (P, 2), or None to run the reference here."""
-        c, p = self.config, batch.size
+        (``norms``); ``ref`` the stored reference log-probs (P, 2), or None to run the reference here. The policy's
+        head takes the loss's gradient in its forward, a chunk of whole examples at a time (:meth:`objective` is a
+        sum of per-example terms; :meth:`CausalLM.logprob_loss`)."""
+        c, rows = self.config, batch.rows
         if ref is None and c.objective in WITH_REFERENCE:  # ORPO and SimPO have no reference
             ref = self.reference_forward(model, batch)
-        tok, logps = self.sequence_logps(model, batch.rows)
-        aux = self.router_aux(model)  # of this forward: KTO's KL pass below runs the model again
-        if c.objective == "kto":
-            with torch.no_grad():
-                kl = (self.sequence_logps(model, batch.kl)[1] - ref[:, 1]).mean()
-                if world > 1:
-                    dist.all_reduce(kl)
-                    kl = kl / world
-                kl = kl.clamp(min=0)
-            losses, metrics = kto_terms(c, logps, ref[:, 0], batch.labels, kl)
-            loss = losses.sum() / norms["examples"]
-            metrics["kl"] = kl
-        elif c.objective == "dpo":
-            lens = batch.rows.completion_lens
-            losses, metrics = dpo_terms(c, logps[:p], logps[p:], ref[:, 0], ref[:, 1], lens[:p], lens[p:])
-            loss = losses.sum() / norms["pairs"]
-        else:  # orpo, simpo: mean token log-probs, and the NLL of the chosen sequences
-            avg = logps / batch.rows.predicted_lens.clamp(min=1)
-            terms = orpo_terms if c.objective == "orpo" else simpo_terms
-            losses, metrics = terms(c, avg[:p], avg[p:])
-            chosen = batch.rows.segment < p
-            if c.objective == "simpo":
-                chosen = chosen & batch.rows.completion
-            nll = -(tok * chosen).sum() / norms["nll_tokens"]
-            if c.objective == "simpo" and not c.cpo_alpha:
-                nll = torch.zeros_like(nll)  # as TRL: no NLL term, and nll_loss logged as 0
-            loss = losses.sum() / norms["pairs"] + (nll if c.objective == "orpo" else c.cpo_alpha * nll)
-            metrics["nll_loss"] = nll.detach()
+        kl = self.kl_estimate(model, batch, ref, world) if c.objective == "kto" else None
+        objective = functools.partial(self.objective, batch=batch, ref=ref, kl=kl, norms=norms)
+        ends = rows.group_ends if rows.group_ends is not None else (rows.input_ids.numel(),)
+        loss, tok = model.logprob_loss(rows.input_ids, rows.labels, lambda t: objective(t)[0], ends,
+                                       rows.position_ids, rows.documents, strategy=self.strategy)
+        metrics = objective(tok)[1]
+        aux = self.router_aux(model)  # of the policy's forward, the last one
         if aux is not None:  # each micro-batch's counted 1 / (micro-batches x ranks): a step weighs their mean
             loss = loss + model.config.router_aux_loss_coef * aux / (c.grad_accum * world)
         sums = [metrics[name].sum() for name in self.names]
         return loss, torch.stack([loss.detach(), *sums])
+
+    @torch.no_grad()
+    def kl_estimate(self, model: CausalLM, batch: PreferenceBatch, ref: torch.Tensor, world: int) -> torch.Tensor:
+        """KTO's KL term: the mean over the global micro-batch of the policy's minus the reference's log-probs of the
+        KL sequences, clamped at 0, without gradient (TRL's)."""
+        kl = (self.sequence_logps(model, batch.kl)[1] - ref[:, 1]).mean()
+        if world > 1:
+            dist.all_reduce(kl)
+            kl = kl / world
+        return kl.clamp(min=0)
+
+    def objective(self, tok: torch.Tensor, batch: PreferenceBatch, ref: torch.Tensor | None, kl: torch.Tensor | None,
+                  norms: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(the micro-batch's loss, per-example metrics) from the policy's per-position log-probs ``tok`` (T,): a sum
+        of one term per example (pair), each reading that example's tokens only."""
+        c, rows = self.config, batch.rows
+        logps = sequence_sums(tok, rows.segment, rows.count, rows.completion)
+        if c.objective == "kto":
+            losses, metrics = kto_terms(c, logps, ref[:, 0], batch.labels, kl)
+            return losses.sum() / norms["examples"], {**metrics, "kl": kl}
+        if c.objective == "dpo":
+            lens = rows.completion_lens
+            losses, metrics = dpo_terms(c, logps[0::2], logps[1::2], ref[:, 0], ref[:, 1], lens[0::2], lens[1::2])
+            return losses.sum() / norms["pairs"], metrics
+        # orpo, simpo: mean token log-probs, and the NLL of the chosen sequences
+        avg = logps / rows.predicted_lens.clamp(min=1)
+        losses, metrics = (orpo_terms if c.objective == "orpo" else simpo_terms)(c, avg[0::2], avg[1::2])
+        chosen = rows.segment % 2 == 0
+        if c.objective == "simpo":
+            chosen = chosen & rows.completion
+        nll = -(tok * chosen).sum() / norms["nll_tokens"]
+        if c.objective == "simpo" and not c.cpo_alpha:
+            nll = torch.zeros_like(nll)  # as TRL: no NLL term, and nll_loss logged as 0
+        metrics["nll_loss"] = nll.detach()
+        return losses.sum() / norms["pairs"] + (nll if c.objective == "orpo" else c.cpo_alpha * nll), metrics
 
     # -- --cuda-graph: every micro-batch padded to the same shapes
     #: why a micro-batch runs eagerly under --cuda-graph (printed once)

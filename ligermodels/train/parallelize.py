@@ -357,11 +357,11 @@ def shard_rest(model: CausalLM, config: TrainConfig, mesh) -> None:
     units = list(model.layers)
     if model.head is not None:
         fully_shard(model.head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-        for method in ("loss", "logprobs"):  # the loss head calls these, not forward()
+        for method in ("loss", "logprobs", "logprob_loss"):  # the loss head calls these, not forward()
             register_fsdp_forward_method(model.head, method)
         units.append(model.head)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    for method in ("loss", "token_logprobs"):  # called instead of forward()
+    for method in ("loss", "token_logprobs", "logprob_loss"):  # called instead of forward()
         register_fsdp_forward_method(model, method)
     if config.prefetch:
         n = config.prefetch

@@ -24,9 +24,10 @@ Tokens, as TRL 1.16 makes them, so that the losses and gradients are TRL's on th
 
 Batches: a step takes ``batch_size * world * grad_accum`` examples of an endless stream (every epoch in an order drawn
 from ``seed`` and the epoch number); micro-batch ``m`` of rank ``r`` takes examples ``start + (m * world + r) *
-batch_size`` onward. A micro-batch is one packed row without padding: the chosen sequences, then the rejected ones
-(KTO: its completions, and a second row of the KL sequences), position ids restarting at each sequence, so attention
-stays within a sequence as it does for SFT documents.
+batch_size`` onward. A micro-batch is one packed row without padding: each example's sequences side by side (chosen,
+rejected, the next pair's chosen, ...; KTO: its completions, and a second row of the KL sequences), position ids
+restarting at each sequence, so attention stays within a sequence as it does for SFT documents. An example's tokens
+are contiguous, so the loss head takes whole examples a chunk (:func:`kernels.logprobs.fused_linear_logprob_loss`).
 """
 
 from __future__ import annotations
@@ -234,8 +235,9 @@ class PackedSequences:
     """Sequences packed into one row (1, T): ``input_ids``, ``position_ids``; per position ``t`` (which predicts
     token ``t + 1``): ``labels`` (B, T) aligned with the inputs as for SFT (-100 at each sequence's first token),
     ``segment`` (T,) the sequence of the predicted token, ``completion`` (T,) whether it is a completion token;
-    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`), and ``documents`` (the sequences'
-    bounds, found on the host for the attention kernel)."""
+    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`), ``documents`` (the sequences'
+    bounds, found on the host for the attention kernel), and ``group_ends``: host offsets where each example's
+    sequences end (None in a CUDA graph's replay, whose shapes cannot follow the examples)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -245,11 +247,14 @@ class PackedSequences:
     completion_lens: torch.Tensor
     predicted_lens: torch.Tensor
     documents: Documents
+    group_ends: tuple[int, ...] | None = None
 
     @classmethod
-    def pack(cls, sequences: list[Sequence]) -> PackedSequences:
+    def pack(cls, sequences: list[Sequence], group: int = 1) -> PackedSequences:
+        """``sequences`` in one row, every ``group`` consecutive ones an example (:attr:`group_ends`)."""
         ids = torch.tensor([t for s in sequences for t in s.ids], dtype=torch.int64)
         lengths = torch.tensor([len(s.ids) for s in sequences])
+        ends = torch.cumsum(lengths, 0)[group - 1::group].tolist()
         starts = torch.cumsum(lengths, 0) - lengths
         seg = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
         pos = torch.arange(len(ids)) - torch.repeat_interleave(starts, lengths)
@@ -263,7 +268,8 @@ class PackedSequences:
         segment[:-1] = seg[1:]
         return cls(ids[None], pos[None], labels[None], segment, completion,
                    torch.tensor([float(s.completion_len) for s in sequences]),
-                   torch.tensor([float(s.predicted_len) for s in sequences]), Documents.from_positions(pos[None]))
+                   torch.tensor([float(s.predicted_len) for s in sequences]), Documents.from_positions(pos[None]),
+                   tuple(ends))
 
     #: The tensor fields, in the order :meth:`flat` lists them
     TENSORS = ("input_ids", "position_ids", "labels", "segment", "completion", "completion_lens", "predicted_lens")
@@ -294,7 +300,9 @@ class PackedSequences:
         documents = Documents.from_positions(positions).padded(self.count + -(-length // seq_len), seq_len)
         return dataclasses.replace(self, input_ids=grow(self.input_ids, 0), position_ids=positions,
                                    labels=grow(self.labels, IGNORE_INDEX), segment=grow(self.segment, 0),
-                                   completion=grow(self.completion, False), documents=documents)
+                                   completion=grow(self.completion, False), documents=documents,
+                                   group_ends=(self.group_ends if self.group_ends is None or not pad
+                                               else (*self.group_ends, length)))  # the padding: a group of its own
 
     def flat(self) -> list[torch.Tensor]:
         """The tensors a captured step reads (:attr:`TENSORS`, then the bounds): :meth:`from_flat` rebuilds it."""
@@ -309,7 +317,8 @@ class PackedSequences:
 
 @dataclass
 class PreferenceBatch:
-    """One micro-batch: ``rows`` (paired: chosen then rejected sequences; KTO: the completions), ``kl`` (KTO),
+    """One micro-batch: ``rows`` (paired: each pair's chosen then rejected sequence, segments 2i and 2i + 1; KTO: the
+    completions), ``kl`` (KTO),
     ``index`` the examples' indices (for their stored reference log-probs), ``labels`` (KTO, bool (P,))."""
 
     rows: PackedSequences
@@ -331,7 +340,7 @@ class PreferenceBatch:
 def make_batch(examples: list[PreferenceExample], index: list[int]) -> PreferenceBatch:
     chosen = [examples[i] for i in index]
     n_seq = len(chosen[0].sequences)
-    rows = PackedSequences.pack([e.sequences[k] for k in range(n_seq) for e in chosen])
+    rows = PackedSequences.pack([s for e in chosen for s in e.sequences], group=n_seq)
     if chosen[0].label is None:
         return PreferenceBatch(rows, torch.tensor(index))
     return PreferenceBatch(rows, torch.tensor(index), PackedSequences.pack([e.kl for e in chosen]),
