@@ -31,6 +31,7 @@ from kernels.logprobs import (
     fused_linear_logprobs,
     fused_linear_sequence_logprobs,
     fused_linear_sequence_logprobs_reference,
+    group_chunks,
     sequence_sums,
 )
 from ligermodels import CausalLM
@@ -306,6 +307,13 @@ def test_groups_that_do_not_fit_a_chunk_take_the_per_token_head_with_the_same_re
     with torch.no_grad():
         loss, _ = fused_linear_logprob_loss(hidden, weight, target, loss_fn, GROUP_ENDS)
     assert rel_err(loss, results["fused"][0]) <= 1e-6
+
+
+def test_chunks_take_whole_groups_up_to_the_limit_and_a_longer_group_alone():
+    assert group_chunks([7, 15, 16, 30, 41, 45], 16) == [(0, 16), (16, 30), (30, 45)]
+    assert group_chunks([5, 30, 33], 16) == [(0, 5), (5, 30), (30, 33)]  # 25 tokens: a chunk of its own
+    assert group_chunks([4, 4, 8], 8) == [(0, 8)]  # an empty group changes nothing
+    assert group_chunks([10], 4) == [(0, 10)]
 
 
 @pytest.mark.parametrize("ends, message", [([7, 15, 44], "end at the 45 tokens"), ([7, 5, 45], "must increase"),
