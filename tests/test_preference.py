@@ -245,6 +245,42 @@ def test_the_head_taking_the_gradient_in_its_forward_takes_the_per_token_heads_s
         assert rel_err(fused_grads[n], g) <= 1e-5, (n, rel_err(fused_grads[n], g))
 
 
+@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo"])
+def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_numbers(tmp_path, case, monkeypatch):
+    """--cuda-graph's inputs with each pair in a slot of its own (:attr:`PreferenceTask.graph_slot`: pairs of near
+    equal length): the step's loss head takes a pair a chunk at the slots' fixed ends, and the loss, metric sums and
+    gradients are the eager step's, on the device under test (the Triton kernels; on the CPU the interpreter)."""
+    options, kind, _ = CASES[case]
+    records = [{**r, "rejected": r["chosen"][::-1]} for r in PAIRS]  # each pair's two completions equally long
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3", heads=2)
+    task, model = _ours(checkpoint, _write(tmp_path / "data.jsonl", records), options, str(tmp_path / "out"), 3)
+    model = model.to(DEVICE)
+    assert_triton_runs(model.embed.weight)
+    if kind == "dpo":
+        task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
+    lengths = [sum(len(s.ids) for s in e.sequences) for e in task.examples]
+    assert task.graph_slot == 0  # these short pairs: rounding each to 16 tokens adds more than 1/32 of the row
+    task.graph_slot = -(-max(lengths) // 16) * 16  # (the benchmark's 2,050-token pairs take 2,064: 0.7%)
+    assert task.graph_room[0] == 3 * task.graph_slot
+    index = [2, 0, 1]
+    counts, batch = task.counts(index, 1, DEVICE), make_batch(task.examples, index)
+    monkeypatch.setattr(kernels.logprobs, "flce_chunk_tokens", lambda *_: task.graph_slot)  # a pair a chunk
+    chunks = []
+    loop = kernels.logprobs._flce_loop
+    monkeypatch.setattr(kernels.logprobs, "_flce_loop", lambda *a, **k: chunks.append(k["chunks"]) or loop(*a, **k))
+    eager = task.forward_backward(model, batch, counts, 1, DEVICE)
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    inputs = [t.to(DEVICE) for t in task.graph_inputs(batch, counts)]
+    loss, stats = task.graph_loss(model, *inputs)
+    loss.backward()
+    slot = task.graph_slot
+    assert chunks[-1] == [(0, slot), (slot, 2 * slot), (2 * slot, 3 * slot)], chunks
+    assert rel_err(stats, eager) <= 1e-5, (stats, eager)
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, eager_grads[n]) <= 1e-5, n
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("objective, reference", [("dpo", "precompute"), ("dpo", "model"), ("orpo", "none"),
                                                   ("kto", "precompute")])

@@ -388,6 +388,47 @@ def test_a_padded_row_adds_documents_of_at_most_seq_len_that_no_sum_reads():
         p.padded(6, 4)
 
 
+def test_a_row_in_slots_pads_each_example_and_fixes_where_the_examples_end():
+    """--cuda-graph with slots: each example (here two, of 5 and 3 tokens) padded to its slot of 6 tokens, so the
+    examples end at 6 and 12 in every micro-batch; room in the bounds for ceil(6 / 4) padding documents a slot."""
+    a = PreferenceExample((Sequence([1, 2, 3], 1), Sequence([1, 4], 1)), "a")
+    b = PreferenceExample((Sequence([5, 6], 1), Sequence([5], 1)), "b")
+    p = make_batch([a, b], [0, 1]).rows
+    assert p.group_ends == (5, 8)
+    q = p.padded(12, 4, slot=6)
+    assert q.input_ids.tolist() == [[1, 2, 3, 1, 4, 0, 5, 6, 5, 0, 0, 0]]
+    assert q.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 0, 0, 1, 2]]
+    assert q.group_ends == (6, 12)
+    keep = torch.tensor([1, 1, 1, 1, 1, 0, 1, 1, 1, 0, 0, 0], dtype=torch.bool)
+    assert q.labels[0, keep].tolist() == p.labels[0].tolist() and (q.labels[0, ~keep] == -100).all()
+    assert q.completion[keep].tolist() == p.completion.tolist() and not q.completion[~keep].any()
+    assert q.segment[keep].tolist() == p.segment.tolist()
+    assert q.documents.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 9, 12, 12, 12]  # 4 sequences + 2 x 2 room
+    with pytest.raises(ValueError, match="do not make a row"):
+        p.padded(11, 4, slot=6)
+    with pytest.raises(ValueError, match="slots of 4"):
+        p.padded(8, 4, slot=4)
+
+
+def test_the_graph_gives_each_example_a_slot_when_that_costs_little_padding():
+    """Slots (each example padded to the longest, rounded up to 16) when they make the captured row at most 1/32
+    longer than the 4 longest examples packed: pairs of one length, as the preference benchmark's; not for pairs of
+    very different lengths, whose captured rows stay packed."""
+    from types import SimpleNamespace
+
+    from ligermodels.train.objectives import PreferenceTask
+
+    def task(lengths):
+        examples = [PreferenceExample((Sequence([1] * (n // 2), 1), Sequence([1] * (n - n // 2), 1)), "x")
+                    for n in lengths]
+        return PreferenceTask(SimpleNamespace(objective="dpo", seed=0, batch_size=4), examples, "tokens")
+
+    even = task([2050] * 10)
+    assert even.graph_slot == 2064 and even.graph_room == (4 * 2064, 0)
+    uneven = task([2050, 1000, 500, 800, 1200])
+    assert uneven.graph_slot == 0 and uneven.graph_room == (-(-(2050 + 1200 + 1000 + 800) // 64) * 64, 0)
+
+
 def test_a_batch_packs_each_pair_side_by_side_and_kto_its_kl_row():
     """Pairs whole and in order (chosen, rejected: segments 2i, 2i + 1), each pair a group of the loss head."""
     a = PreferenceExample((Sequence([1, 2, 3], 1), Sequence([1, 4], 1)), "a")

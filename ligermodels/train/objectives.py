@@ -15,6 +15,7 @@ The loop asks a task (:class:`SFTTask` or :class:`PreferenceTask`) for a step's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -224,7 +225,8 @@ class PreferenceTask:
 
     def describe(self, global_rows: int) -> str:
         tokens = sum(len(s.ids) for e in self.examples for s in e.sequences)
-        graph = (f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} tokens "
+        slots = f", an example a slot of {self.graph_slot}" if self.config.cuda_graph and self.graph_slot else ""
+        graph = (f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} tokens{slots} "
                  "(--cuda-graph)" if self.config.cuda_graph else "")
         return (f"{self.config.objective}: {len(self.examples)} examples, {tokens} tokens, global batch {global_rows} "
                 f"examples (sequences of at most {self.config.seq_len} tokens){graph}")
@@ -365,24 +367,35 @@ class PreferenceTask:
     graph_misfit = "an example repeated across an epoch boundary makes a row longer than the captured one"
 
     @functools.cached_property
+    def graph_slot(self) -> int:
+        """Tokens each example takes in a captured step's row when it gets a slot of its own (the longest example,
+        rounded up to 16), so that the examples end at fixed offsets and the loss head takes whole examples a chunk;
+        0 when slots would make the row more than 1/32 longer than packing the ``--batch-size`` longest examples
+        (examples of very different lengths), whose rows then take the per-token head."""
+        lengths = [sum(len(s.ids) for s in e.sequences) for e in self.examples]
+        slot, b = -(-max(lengths) // 16) * 16, self.config.batch_size
+        return slot if slot * b <= sum(sorted(lengths, reverse=True)[:b]) * (1 + 1 / 32) else 0
+
+    @functools.cached_property
     def graph_room(self) -> tuple[int, int]:
-        """Row lengths that hold a micro-batch of distinct examples (rows, KTO's KL rows; else 0): the
-        ``--batch-size`` longest examples' tokens, rounded up to 64. A micro-batch that straddles an epoch boundary
-        may hold one example twice and need more: it runs eagerly."""
+        """Row lengths that hold a micro-batch (rows, KTO's KL rows; else 0): ``--batch-size`` slots
+        (:attr:`graph_slot`), or the ``--batch-size`` longest examples' tokens rounded up to 64. A packed micro-batch
+        that straddles an epoch boundary may hold one example twice and need more: it runs eagerly."""
         b = self.config.batch_size
         room = lambda lengths: -(-sum(sorted(lengths, reverse=True)[:b]) // 64) * 64  # noqa: E731
-        rows = room([sum(len(s.ids) for s in e.sequences) for e in self.examples])
+        rows = self.graph_slot * b or room([sum(len(s.ids) for s in e.sequences) for e in self.examples])
         return rows, (room([len(e.kl.ids) for e in self.examples]) if self.examples[0].kl is not None else 0)
 
     def graph_inputs(self, batch: PreferenceBatch, counts: dict) -> list[torch.Tensor] | None:
-        """A micro-batch as a captured step's host inputs (pinned): its rows padded to :meth:`graph_room` (and KTO's
-        KL rows and labels), the stored reference log-probs, the step's chosen-NLL token count; None when it is
-        longer than that room."""
+        """A micro-batch as a captured step's host inputs (pinned): its rows padded to :meth:`graph_room` (each example
+        to its slot, when :attr:`graph_slot`; and KTO's KL rows and labels), the stored reference log-probs, the
+        step's chosen-NLL token count; None when it is longer than that room."""
         rows, kl = self.graph_room
-        seq_len = self.config.seq_len
-        if batch.rows.input_ids.shape[1] > rows or (batch.kl is not None and batch.kl.input_ids.shape[1] > kl):
+        seq_len, slot = self.config.seq_len, self.graph_slot or None
+        if (not slot and batch.rows.input_ids.shape[1] > rows) or (
+                batch.kl is not None and batch.kl.input_ids.shape[1] > kl):
             return None
-        tensors = batch.rows.padded(rows, seq_len).flat()
+        tensors = batch.rows.padded(rows, seq_len, slot).flat()
         if batch.kl is not None:
             tensors += [*batch.kl.padded(kl, seq_len).flat(), batch.labels]
         if self.reference_logps is not None:
@@ -394,6 +407,8 @@ class PreferenceTask:
         """:meth:`loss` of :meth:`graph_inputs` on the device (one rank, one micro-batch a step)."""
         c, n = self.config, len(PackedSequences.TENSORS) + 1
         rows, rest = PackedSequences.from_flat(list(tensors[:n]), c.seq_len), tensors[n:]
+        if self.graph_slot:  # the examples' ends, fixed by their slots
+            rows = dataclasses.replace(rows, group_ends=tuple(self.graph_slot * (i + 1) for i in range(c.batch_size)))
         kl = labels = None
         if c.objective == "kto":
             kl, labels, rest = PackedSequences.from_flat(list(rest[:n]), c.seq_len), rest[n], rest[n + 1:]

@@ -285,24 +285,39 @@ class PackedSequences:
         return dataclasses.replace(self, **moved, documents=self.documents.to(device))
 
     # -- the fixed shapes of a CUDA graph (--cuda-graph)
-    def padded(self, length: int, seq_len: int) -> PackedSequences:
+    def padded(self, length: int, seq_len: int, slot: int | None = None) -> PackedSequences:
         """The same sequences in a row of ``length`` tokens: the rest is filled with documents of at most ``seq_len``
         tokens (token 0, no labels, no completion), so attention stays within each and none of their log-probs
         reaches a sum; the bounds have room for ``n + ceil(length / seq_len)`` sequences (the unused ones empty) and
         ``seq_len`` as the longest. So every micro-batch of a run has the same shapes, and the sequences' log-probs
-        are those of the unpadded row."""
+        are those of the unpadded row. With ``slot``, each example is padded to ``slot`` tokens instead (``length``
+        must be ``slot`` times the examples): then the examples end at the same offsets in every micro-batch
+        (:attr:`group_ends`), so a captured step's loss head can take whole examples a chunk."""
         t = self.input_ids.shape[1]
-        if t > length:
-            raise ValueError(f"a row of {t} tokens does not fit {length}")
-        pad = length - t
-        grow = lambda x, value: torch.cat([x, x.new_full((*x.shape[:-1], pad), value)], dim=-1)  # noqa: E731
-        positions = torch.cat([self.position_ids, (torch.arange(pad) % seq_len)[None]], dim=1)
-        documents = Documents.from_positions(positions).padded(self.count + -(-length // seq_len), seq_len)
+        if slot is None:
+            pieces = [(0, t, length - t)]
+            ends = self.group_ends if self.group_ends is None or t == length else (*self.group_ends, length)
+        else:
+            starts = (0, *self.group_ends[:-1])
+            pieces = [(a, b, slot - (b - a)) for a, b in zip(starts, self.group_ends, strict=True)]
+            ends = tuple(slot * (i + 1) for i in range(len(pieces)))
+            if slot * len(pieces) != length:
+                raise ValueError(f"{len(pieces)} examples in slots of {slot} tokens do not make a row of {length}")
+        if t > length or any(pad < 0 for _, _, pad in pieces):
+            raise ValueError(f"a row of {t} tokens does not fit {length}" + (f" (slots of {slot})" if slot else ""))
+
+        def grow(x: torch.Tensor, value) -> torch.Tensor:  # each piece, then its padding
+            return torch.cat([part for a, b, pad in pieces
+                              for part in (x[..., a:b], x.new_full((*x.shape[:-1], pad), value))], dim=-1)
+
+        positions = torch.cat([part for a, b, pad in pieces
+                               for part in (self.position_ids[:, a:b], (torch.arange(pad) % seq_len)[None])], dim=1)
+        # room for the padding's documents, the same for every micro-batch: at most ceil(slot / seq_len) a slot
+        room = self.count + (len(pieces) * -(-slot // seq_len) if slot else -(-length // seq_len))
+        documents = Documents.from_positions(positions).padded(room, seq_len)
         return dataclasses.replace(self, input_ids=grow(self.input_ids, 0), position_ids=positions,
                                    labels=grow(self.labels, IGNORE_INDEX), segment=grow(self.segment, 0),
-                                   completion=grow(self.completion, False), documents=documents,
-                                   group_ends=(self.group_ends if self.group_ends is None or not pad
-                                               else (*self.group_ends, length)))  # the padding: a group of its own
+                                   completion=grow(self.completion, False), documents=documents, group_ends=ends)
 
     def flat(self) -> list[torch.Tensor]:
         """The tensors a captured step reads (:attr:`TENSORS`, then the bounds): :meth:`from_flat` rebuilds it."""
