@@ -282,13 +282,19 @@ def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("objective, reference", [("dpo", "precompute"), ("dpo", "model"), ("orpo", "none"),
-                                                  ("kto", "precompute")])
-def test_a_cuda_graph_preference_run_takes_the_eager_steps(tmp_path, objective, reference):
+@pytest.mark.parametrize("objective, reference, layout", [("dpo", "precompute", "packed"), ("dpo", "model", "packed"),
+                                                          ("orpo", "none", "packed"), ("kto", "precompute", "packed"),
+                                                          ("dpo", "precompute", "slots"), ("orpo", "none", "slots")])
+def test_a_cuda_graph_preference_run_takes_the_eager_steps(tmp_path, objective, reference, layout):
     """--cuda-graph with a preference objective (bf16, one GPU): the eager run's losses and metrics within bf16
-    rounding (FlashAttention's backward accumulates with atomics), though every row is padded to the longest."""
+    rounding (FlashAttention's backward accumulates with atomics), though every row is padded to the longest.
+    ``slots``: pairs of one length (256-token sequences), each pair in a slot of its own, and chunks of 512 tokens,
+    so the captured loss head takes a pair a chunk, its gradient in the forward."""
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
-    data = _write(tmp_path / "data.jsonl", UNPAIRED * 2 if objective == "kto" else PAIRS * 2)
+    long_pairs = [{"prompt": p["prompt"], "chosen": " it is" * 150, "rejected": " no it" * 150} for p in PAIRS]
+    records = long_pairs if layout == "slots" else UNPAIRED if objective == "kto" else PAIRS
+    data = _write(tmp_path / "data.jsonl", records * 2)
+    env = {**ENV, "LIGERMODELS_FLCE_CHUNK": "512"} if layout == "slots" else ENV
     runs = {}
     for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
         out = tmp_path / name
@@ -296,8 +302,10 @@ def test_a_cuda_graph_preference_run_takes_the_eager_steps(tmp_path, objective, 
         res = subprocess.run([sys.executable, "-m", "ligermodels.train", "--model", checkpoint, "--data", data,
                               "--out", str(out), "--objective", objective, *ref, "--batch-size", "2", "--steps", "5",
                               "--save-every", "0", "--dtype", "bf16", "--device", "cuda", "--lr", "1e-3", *extra],
-                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
         assert res.returncode == 0, res.stderr[-3000:]
+        if extra:
+            assert ("an example a slot of 512" in res.stdout) == (layout == "slots"), res.stdout[-2000:]
         runs[name] = _metrics(out)
     for a, b in zip(runs["eager"], runs["graph"], strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "logps/chosen"):
