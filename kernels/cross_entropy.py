@@ -461,7 +461,7 @@ def flce_chunk_plan(n_tokens: int, hidden_size: int, vocab_size: int, dtype: tor
     """
     _check_strategy(strategy)
     n, h, v = int(n_tokens), int(hidden_size), int(vocab_size)
-    s = torch.empty((), dtype=dtype).element_size()
+    s = dtype.itemsize
     any_grad = grad_hidden or grad_weight or bias
     if strategy == "vocab":
         forced = chunk_size if chunk_size is not None else FLCE_VOCAB_CHUNK
@@ -1059,5 +1059,4 @@ def flce_chunk_tokens(vocab_size: int, dtype: torch.dtype) -> int:
     ``dtype`` fits in ``FLCE_CHUNK_BUDGET_BYTES``, rounded to a GEMM-friendly size."""
     if FLCE_CHUNK_SIZE is not None:
         return FLCE_CHUNK_SIZE
-    return _round_chunk(max(FLCE_CHUNK_BUDGET_BYTES // max(vocab_size * torch.empty((), dtype=dtype).element_size(),
-                                                             1), 1))
+    return _round_chunk(max(FLCE_CHUNK_BUDGET_BYTES // max(vocab_size * dtype.itemsize, 1), 1))

@@ -119,7 +119,7 @@ class _LogprobLossFunction(torch.autograd.Function):
                 (grad,) = torch.autograd.grad(_scalar(loss_fn(x)), x, allow_unused=True)
             if grad is None:
                 return torch.zeros(end - start, dtype=torch.float32, device=logp.device)
-            return grad[start:end].neg().float().contiguous()  # the gradient of -logp, the loop's per-token loss
+            return grad[start:end].neg()  # fp32, contiguous: the gradient of -logp, the loop's per-token loss
 
         _, _, dh, dw, db = _flce_loop(hidden, weight, bias, target, None, None, ignore_index, 0.0, 0.0, softcap,
                                       want_h, want_w, want_b, chunks=chunks, chunk_grad=chunk_grad)

@@ -207,11 +207,8 @@ class CausalLM(nn.Module):
         log p(``labels[b, t + 1]`` | tokens ``..t``), 0 where that label is ``ignore_index`` and at ``t = S - 1``.
         ``labels`` (B, S) are aligned with ``input_ids`` as in :meth:`loss`; the head is
         :func:`kernels.logprobs.fused_linear_logprobs` (soft-capped when the config says so)."""
-        h, target = self._head_inputs(input_ids, labels, position_ids, document_ids, ignore_index)
-        options = dict(ignore_index=ignore_index, softcap=self.config.final_softcap, strategy=strategy)
-        if self.head is None:
-            return fused_linear_logprobs(h, self.embed.weight, target, **options)
-        return self.head.logprobs(h, target, **options)
+        return self._logprob_head("logprobs", fused_linear_logprobs, input_ids, labels, position_ids, document_ids,
+                                  ignore_index, strategy)
 
     def logprob_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn, group_ends,
                      position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | Documents | None = None,
@@ -220,11 +217,18 @@ class CausalLM(nn.Module):
         where ``loss_fn`` is a sum of terms over groups of tokens ending at the flat offsets ``group_ends`` (host
         ints), each term depending on its own group only (a preference pair): the head then takes its gradient
         in the forward (:func:`kernels.logprobs.fused_linear_logprob_loss`, 3 GEMMs of the head instead of 4)."""
+        return self._logprob_head("logprob_loss", fused_linear_logprob_loss, input_ids, labels, position_ids,
+                                  document_ids, ignore_index, strategy, loss_fn, group_ends)
+
+    def _logprob_head(self, method: str, op, input_ids, labels, position_ids, document_ids, ignore_index: int,
+                      strategy: str, *extra):
+        """The final hidden states and targets through a log-prob head: ``op(h, weight, target, *extra, ...)`` on
+        the tied embedding, or the untied head's own ``method`` (which FSDP2 gathers as a unit of its own)."""
         h, target = self._head_inputs(input_ids, labels, position_ids, document_ids, ignore_index)
         options = dict(ignore_index=ignore_index, softcap=self.config.final_softcap, strategy=strategy)
         if self.head is None:
-            return fused_linear_logprob_loss(h, self.embed.weight, target, loss_fn, group_ends, **options)
-        return self.head.logprob_loss(h, target, loss_fn, group_ends, **options)
+            return op(h, self.embed.weight, target, *extra, **options)
+        return getattr(self.head, method)(h, target, *extra, **options)
 
     # ------------------------------------------------------------------------- generation
     @torch.no_grad()
