@@ -306,7 +306,7 @@ def make_trainer(model, args, impl: str, batch: int, steps: int, rows, callbacks
         data_seed=SEED, dataloader_num_workers=2, dataloader_pin_memory=True, remove_unused_columns=False,
         use_liger_kernel=impl.endswith("+liger"), torch_compile=impl.endswith("+compile"),
         gradient_checkpointing=args.ac != "none", gradient_checkpointing_kwargs={"use_reentrant": False},
-        use_cpu=not torch.cuda.is_available())  # the CPU: tests only
+        use_cpu=next(model.parameters()).device.type == "cpu")  # a CPU model (tests) stays there
     return InOrder(model=model, args=targs, train_dataset=Rows(), callbacks=list(callbacks))
 
 

@@ -49,7 +49,6 @@ import json
 import os
 import platform
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -65,6 +64,8 @@ import triton
 import triton.language as tl
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from ligermodels.train.profiling import device_time_by_category
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -662,19 +663,7 @@ def profile_budget(step, row: dict) -> str:
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    per_cat: dict[str, float] = {}
-    kernels: dict[str, float] = {}
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None)
-        if t is None:
-            t = e.cuda_time_total
-        if (t <= 0 or e.key.startswith(("ProfilerStep", "Optimizer.")) or "#" in e.key
-                or e.device_type != torch.autograd.DeviceType.CUDA):
-            continue  # user annotations (Optimizer.step#AdamW.step) span kernels counted on their own
-        t = t / 2 / 1e3  # ms per step
-        cat = next((c for c, pat in CATEGORIES if re.search(pat, e.key, re.I)), "other elementwise/reductions")
-        per_cat[cat] = per_cat.get(cat, 0.0) + t
-        kernels[e.key] = kernels.get(e.key, 0.0) + t
+    per_cat, kernels = device_time_by_category(prof.key_averages(), CATEGORIES, 2, "other elementwise/reductions")
     busy = sum(per_cat.values())
     lines = [f"# Step-time budget: {row['impl']} ({row['variant']}), {row['model']}, batch {row['batch']} x "
              f"{row['seq']}, {torch.cuda.get_device_name()}",

@@ -62,7 +62,15 @@ from ligermodels.train.parallelize import (
     loss_strategy,
     lr_factor,
 )
-from ligermodels.train.profiling import exposed_us, idle_by_launch_site, memory_at_peak, union_us
+from ligermodels.train.profiling import (
+    StepProfiler,
+    device_time_by_category,
+    exposed_by_label,
+    exposed_us,
+    idle_by_launch_site,
+    memory_at_peak,
+    union_us,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
@@ -183,6 +191,36 @@ def test_overlap_of_communication_with_computation():
     assert exposed_us([(4.0, 9.0)], compute) == 3.0  # 5..8 alone
     assert exposed_us([(4.0, 9.0), (6.0, 7.0), (11.0, 14.0)], compute) == 5.0  # 5..8 and 12..14
     assert exposed_us([(1.0, 2.0)], []) == 1.0
+
+
+def test_exposed_communication_is_charged_to_the_collective_that_ran():
+    """Each collective's exposed time is its own length less its overlap with compute, labelled by the FSDP2
+    annotation it overlaps most (else its kernel name)."""
+    compute = [(0.0, 5.0), (3.0, 6.0), (8.0, 12.0)]
+    comm = [(4.0, 9.0, "gather embed"), (11.0, 14.0, "reduce head"), (13.0, 15.0, "reduce head"), (1.0, 2.0, "x")]
+    assert exposed_by_label(comm, compute) == {"gather embed": 2.0, "reduce head": 4.0, "x": 0.0}
+    fsdp = [(0.0, 10.0, "FSDP::all_gather (embed)"), (9.0, 20.0, "FSDP::post_backward_reduce (head)")]
+    label = StepProfiler.collective_label
+    assert label(10.0, 14.0, "ncclDevKernel_ReduceScatter_Sum_f32(args)", fsdp) == "FSDP::post_backward_reduce (head)"
+    assert label(30.0, 31.0, "ncclDevKernel_ReduceScatter_Sum_f32(args)", fsdp) == "ncclDevKernel_ReduceScatter_Sum_f32"
+
+
+def test_profile_categories_count_kernels_and_skip_annotations_that_span_them():
+    """FSDP2's GPU-side annotations cover the NCCL kernels and copies they launch: counting them too read
+    a 2-GPU step's busy time as 159% of its wall time."""
+    from types import SimpleNamespace as E
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    averages = [E(key="ncclDevKernel_AllGather_RING_LL(args)", device_type=cuda, self_device_time_total=6000.0),
+                E(key="FSDP::all_gather (layers.0)", device_type=cuda, self_device_time_total=7000.0,
+                  is_user_annotation=True),
+                E(key="nvjet_sm90_tst_192x192", device_type=cuda, self_device_time_total=20000.0),
+                E(key="Optimizer.step#AdamW.step", device_type=cuda, self_device_time_total=9000.0),
+                E(key="elementwise_kernel", device_type=cuda, self_device_time_total=2000.0),
+                E(key="aten::mm", device_type=cpu, self_device_time_total=20000.0)]
+    per_cat, kernels = device_time_by_category(averages, StepProfiler.CATEGORIES, steps=2)
+    assert per_cat == {"communication (NCCL)": 3.0, "matmul": 10.0, "other elementwise": 1.0}
+    assert set(kernels) == {"ncclDevKernel_AllGather_RING_LL(args)", "nvjet_sm90_tst_192x192", "elementwise_kernel"}
 
 
 @pytest.fixture(scope="module")

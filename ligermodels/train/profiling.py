@@ -85,6 +85,46 @@ def exposed_us(comm: list[tuple[float, float]], compute: list[tuple[float, float
     return union_us(comm + compute) - union_us(compute)
 
 
+def exposed_by_label(comm: list[tuple[float, float, str]], compute: list[tuple[float, float]]) -> dict[str, float]:
+    """Exposed communication (as :func:`exposed_us`) split by what it was: ``comm`` holds (start, end, label)
+    intervals (a collective, labelled with the FSDP2 module it gathers or reduces); each one's exposed part is
+    its length less its overlap with the union of ``compute``. Returns {label: us}; collectives that overlap
+    each other on two streams are each charged their own exposed time."""
+    merged: list[list[float]] = []
+    for start, end in sorted(compute):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out: dict[str, float] = {}
+    for start, end, label in comm:
+        hidden = sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged if a < end and b > start)
+        out[label] = out.get(label, 0.0) + (end - start) - hidden
+    return out
+
+
+def device_time_by_category(averages, categories, steps: int, other: str = "other elementwise"
+                            ) -> tuple[dict[str, float], dict[str, float]]:
+    """GPU time per step (ms) by kernel category and by kernel, from torch.profiler's ``key_averages()``:
+    ``categories`` is ((name, regex on the kernel name), ...), first match wins, else ``other``. Only device
+    work counts: user annotations on the GPU timeline (``FSDP::all_gather (layers.3)``,
+    ``nccl:_reduce_scatter_base``) span kernels that are counted on their own, and so are skipped, as are
+    host-side ``#`` ranges (``Optimizer.step#AdamW.step``)."""
+    per_cat: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for e in averages:
+        if (e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.key
+                or getattr(e, "is_user_annotation", False)):
+            continue
+        ms = getattr(e, "self_device_time_total", 0) / steps / 1e3
+        if ms <= 0:
+            continue
+        cat = next((c for c, pat in categories if re.search(pat, e.key, re.I)), other)
+        per_cat[cat] = per_cat.get(cat, 0.0) + ms
+        kernels[e.key] = kernels.get(e.key, 0.0) + ms
+    return per_cat, kernels
+
+
 def idle_by_launch_site(kernels: list[tuple[float, float, int]], ops: dict[int, tuple[str, list[str]]],
                         min_gap_us: float = 10.0) -> list[tuple[str, str, float, int]]:
     """Where the GPU waits for the host: each gap of at least ``min_gap_us`` between device work (``kernels``:
@@ -192,19 +232,34 @@ class StepProfiler:
         copy or fill runs on any stream; ``gpu_idle_ms`` = wall - active (the host not keeping the GPU fed,
         syncs); ``nccl_ms``, the time some NCCL kernel runs; ``nccl_exposed_ms``, the part of it during which
         nothing else runs (communication that computation does not hide)."""
-        comm, compute = [], []
+        comm, compute, fsdp = [], [], []
         for e in self.prof.events():
-            if not self.device_work(e):
-                continue
             span = (e.time_range.start, e.time_range.end)
-            (comm if "nccl" in e.name.lower() else compute).append(span)
+            if self.device_work(e):
+                (comm if "nccl" in e.name.lower() else compute).append((*span, e.name))
+            elif e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("FSDP::"):
+                fsdp.append((*span, e.name))  # FSDP2's annotation of the collective on the GPU's timeline
         n = len(self.steps)
-        active = union_us(comm + compute) / n / 1e3
+        comm = [(a, b, self.collective_label(a, b, name, fsdp)) for a, b, name in comm]
+        spans = [(a, b) for a, b, _ in comm]
+        compute = [(a, b) for a, b, _ in compute]
+        active = union_us(spans + compute) / n / 1e3
+        by = sorted(exposed_by_label(comm, compute).items(), key=lambda kv: -kv[1])
         return {"steps": list(self.steps), "wall_ms": round(wall_ms, 3), "gpu_active_ms": round(active, 3),
-                "gpu_idle_ms": round(wall_ms - active, 3), "nccl_ms": round(union_us(comm) / n / 1e3, 3),
-                "nccl_exposed_ms": round(exposed_us(comm, compute) / n / 1e3, 3),
+                "gpu_idle_ms": round(wall_ms - active, 3), "nccl_ms": round(union_us(spans) / n / 1e3, 3),
+                "nccl_exposed_ms": round(exposed_us(spans, compute) / n / 1e3, 3),
+                "nccl_exposed_by": [{"collective": k, "ms": round(us / n / 1e3, 3)} for k, us in by[:12] if us > 0],
                 "idle_by_launch_site": [{"op": op, "site": site, "ms": round(us / n / 1e3, 3), "gaps": k // n}
                                         for op, site, us, k in self.idle_sites()[:15]]}
+
+    @staticmethod
+    def collective_label(start: float, end: float, kernel: str, fsdp: list[tuple[float, float, str]]) -> str:
+        """The FSDP2 annotation overlapping an NCCL kernel most (``FSDP::all_gather (layers.3)``), else the
+        kernel's name up to its arguments."""
+        best = max(fsdp, key=lambda f: min(end, f[1]) - max(start, f[0]), default=None)
+        if best is not None and min(end, best[1]) > max(start, best[0]):
+            return best[2]
+        return kernel.split("(")[0]
 
     @classmethod
     def device_work(cls, e) -> bool:
@@ -226,17 +281,7 @@ class StepProfiler:
 
     def report(self, wall_ms: float, timeline: dict) -> str:
         n = len(self.steps)
-        per_cat: dict[str, float] = {}
-        kernels: dict[str, float] = {}
-        for e in self.prof.key_averages():
-            if e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.key:
-                continue
-            ms = getattr(e, "self_device_time_total", 0) / n / 1e3
-            if ms <= 0:
-                continue
-            cat = next((c for c, pat in self.CATEGORIES if re.search(pat, e.key, re.I)), "other elementwise")
-            per_cat[cat] = per_cat.get(cat, 0.0) + ms
-            kernels[e.key] = kernels.get(e.key, 0.0) + ms
+        per_cat, kernels = device_time_by_category(self.prof.key_averages(), self.CATEGORIES, n)
         busy = sum(per_cat.values())
         lines = [f"# steps {self.steps.start}-{self.steps.stop - 1}: {wall_ms:.2f} ms a step (wall, host clock); "
                  f"GPU busy {busy:.2f} ms ({100 * busy / wall_ms:.1f}%)",
@@ -254,6 +299,7 @@ class StepProfiler:
                   f"{'NCCL running':32s} {t['nccl_ms']:9.2f} {100 * t['nccl_ms'] / wall_ms:6.1f}%",
                   f"{'NCCL exposed (nothing else runs)':32s} {t['nccl_exposed_ms']:9.2f} "
                   f"{100 * t['nccl_exposed_ms'] / wall_ms:6.1f}%"]
+        lines += [f"  {r['collective'][:60]:60s} {r['ms']:9.2f}" for r in t["nccl_exposed_by"]]
         lines += ["", "Top 30 GPU kernels (ms/step):"]
         lines += [f"{ms:9.3f}  {k[:120]}" for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]]
         lines += ["", "Top 30 host ops by self CPU time (ms/step):"]
