@@ -532,13 +532,15 @@ def load_previous(path: str, host: str) -> dict:
     """The rows, notes and torchtitan package versions of an earlier invocation written to ``path`` on this
     host (none if no such file)."""
     if not os.path.isfile(path):
-        return {"rows": [], "notes": [], "titan_packages": {}}
+        return {"rows": [], "notes": [], "titan_packages": {}, "invocations": []}
     with open(path) as f:
         old = json.load(f)
     if old.get("host") != host:
         raise SystemExit(f"error: {path} holds runs of host {old.get('host')!r}, not {host!r}: pass another --tag "
                          "(targets compare runs of one machine)")
-    return {"rows": old.get("rows", []), "notes": old.get("notes", []), "titan_packages": old.get("titan_packages", {})}
+    invocations = old.get("invocations") or [{"command": old.get("command"), "commit": old.get("commit")}]
+    return {"rows": old.get("rows", []), "notes": old.get("notes", []), "titan_packages": old.get("titan_packages", {}),
+            "invocations": invocations}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -586,6 +588,7 @@ def main(argv: list[str] | None = None) -> None:
                                    "huggingface_hub", "tensorboard")) if any(
         i.startswith("titan") for i in impls) else {}
     rows: list[dict] = []
+    this = {"command": env["command"], "commit": env["commit"]}  # every invocation that wrote the file is listed
 
     def write() -> None:
         all_rows = merge_rows(previous["rows"], rows)
@@ -599,6 +602,8 @@ def main(argv: list[str] | None = None) -> None:
                          "flops_per_token": fpt, "peak_flops": peak},
             "titan_packages": titan_info or previous["titan_packages"], "targets": TARGETS, "checks": targets(all_rows),
             "notes": list(dict.fromkeys(notes)),
+            "invocations": previous["invocations"] + [this] if this not in previous["invocations"]
+            else previous["invocations"],
             "rows": all_rows}
         print(f"wrote {write_results(os.path.basename(path)[:-5], payload, out_dir=args.results)}", flush=True)
 

@@ -82,8 +82,14 @@ def _notes(d: dict) -> list[str]:
 
 def _source(d: dict) -> str:
     """One results file: its path, command, machine, versions, commit and date, then its notes."""
-    line = (f"- `{d['_file']}`: `{d.get('command', 'command not recorded')}` on {d['gpu']} ({_versions(d)}), "
-            f"commit `{_commit(d.get('commit'))}`, {d['date']}.")
+    calls = d.get("invocations") or []
+    if len(calls) > 1:  # a file that several invocations filled, one after another on one machine
+        ran = "; ".join(f"`{c['command']}` at `{_commit(c['commit'])}`" for c in calls)
+        line = (f"- `{d['_file']}`, {len(calls)} invocations, in order: {ran}; on {d['gpu']} ({_versions(d)}), "
+                f"{d['date']}.")
+    else:
+        line = (f"- `{d['_file']}`: `{d.get('command', 'command not recorded')}` on {d['gpu']} ({_versions(d)}), "
+                f"commit `{_commit(d.get('commit'))}`, {d['date']}.")
     return " ".join([line, *_notes(d)])
 
 

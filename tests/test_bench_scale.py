@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import tomllib
 
 from benchmarks import bench_scale as bs
+from benchmarks import report
 
 
 def _args(*flags: str):
@@ -228,19 +230,26 @@ def test_rows_of_an_earlier_invocation_are_kept_unless_measured_again(tmp_path):
     assert [(r["label"], r["ac"], r["tokens_per_s_per_gpu"]) for r in merged] == [
         ("titan", "selective", 2.0), ("ours", "full", 3.0), ("ours", "selective", 4.0)]
     path = tmp_path / "scale.json"
-    assert bs.load_previous(str(path), "gpu-host") == {"rows": [], "notes": [], "titan_packages": {}}
+    assert bs.load_previous(str(path), "gpu-host") == {"rows": [], "notes": [], "titan_packages": {},
+                                                       "invocations": []}
     titan = {"torchtitan": "0.2.2"}  # kept when a later invocation runs ours only
-    path.write_text(json.dumps({"host": "gpu-host", "rows": old, "notes": ["n"], "titan_packages": titan}))
-    assert bs.load_previous(str(path), "gpu-host") == {"rows": old, "notes": ["n"], "titan_packages": titan}
+    first = {"command": "python -m benchmarks.bench_scale --impls titan", "commit": "a" * 40}
+    path.write_text(json.dumps({"host": "gpu-host", "rows": old, "notes": ["n"], "titan_packages": titan, **first}))
+    assert bs.load_previous(str(path), "gpu-host") == {"rows": old, "notes": ["n"], "titan_packages": titan,
+                                                       "invocations": [first]}
     with pytest.raises(SystemExit, match="holds runs of host 'gpu-host', not 'other': pass another --tag"):
         bs.load_previous(str(path), "other")
 
 
 # ------------------------------------------------------------------------------------------ end to end
-def test_tiny_run_of_ours_writes_its_row_and_skips_titan_and_absent_gpus(tmp_path):
+def test_tiny_run_of_ours_writes_its_row_and_skips_titan_and_absent_gpus(tmp_path, monkeypatch):
     """One CPU process (gloo, fp32, a 2-layer Llama), two steps: the JSON row holds what the GPU rows hold."""
-    bs.main(["--out", str(tmp_path), "--tiny", "--gpus", "1", "4096", "--ac", "none", "--steps", "2", "--warmup", "1",
-             "--impls", "ours", "titan"])
+    def main(*argv):  # the command each results file records is the process's own
+        monkeypatch.setattr(sys, "argv", ["bench_scale.py", *argv])
+        bs.main(list(argv))
+
+    main("--out", str(tmp_path), "--tiny", "--gpus", "1", "4096", "--ac", "none", "--steps", "2", "--warmup", "1",
+         "--impls", "ours", "titan")
     files = [f for f in os.listdir(tmp_path) if f.startswith("scale-tiny-") and f.endswith(".json")]
     assert len(files) == 1
     with open(tmp_path / files[0]) as f:
@@ -254,6 +263,15 @@ def test_tiny_run_of_ours_writes_its_row_and_skips_titan_and_absent_gpus(tmp_pat
     assert result["model_config"]["num_hidden_layers"] == 2 and result["host"]
     assert os.listdir(tmp_path / "data") == ["data.jsonl"]  # torchtitan reads the whole directory
     assert not (tmp_path / "runs" / "ours-n1-none" / "final").exists()
+    # a second invocation into the same file: its rows merged, both invocations listed for the report
+    main("--out", str(tmp_path), "--tiny", "--gpus", "1", "--ac", "full", "--steps", "2", "--warmup", "1",
+         "--impls", "ours")
+    with open(tmp_path / files[0]) as f:
+        again = json.load(f)
+    assert [r["ac"] for r in again["rows"]] == ["none", "full"]
+    assert [("--ac none" in c["command"], "--ac full" in c["command"]) for c in again["invocations"]] == [
+        (True, False), (False, True)]
+    assert "2 invocations, in order: `python -m " in report._source({**again, "_file": "f"})
 
 
 def test_report_renders_a_scaling_file_with_its_targets():

@@ -194,15 +194,17 @@ def test_overlap_of_communication_with_computation():
 
 
 def test_exposed_communication_is_charged_to_the_collective_that_ran():
-    """Each collective's exposed time is its own length less its overlap with compute, labelled by the FSDP2
-    annotation it overlaps most (else its kernel name)."""
+    """Each collective's exposed time is its own length less its overlap with compute, labelled by the
+    collective its NCCL kernel runs."""
     compute = [(0.0, 5.0), (3.0, 6.0), (8.0, 12.0)]
     comm = [(4.0, 9.0, "gather embed"), (11.0, 14.0, "reduce head"), (13.0, 15.0, "reduce head"), (1.0, 2.0, "x")]
     assert exposed_by_label(comm, compute) == {"gather embed": 2.0, "reduce head": 4.0, "x": 0.0}
-    fsdp = [(0.0, 10.0, "FSDP::all_gather (embed)"), (9.0, 20.0, "FSDP::post_backward_reduce (head)")]
     label = StepProfiler.collective_label
-    assert label(10.0, 14.0, "ncclDevKernel_ReduceScatter_Sum_f32(args)", fsdp) == "FSDP::post_backward_reduce (head)"
-    assert label(30.0, 31.0, "ncclDevKernel_ReduceScatter_Sum_f32(args)", fsdp) == "ncclDevKernel_ReduceScatter_Sum_f32"
+    assert label("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == \
+        "ReduceScatter f32"
+    assert label("ncclDevKernel_AllReduce_Sum_u64_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "AllReduce u64"
+    assert label("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "AllGather"
+    assert label("ncclKernel_unknown(args)") == "ncclKernel_unknown"
 
 
 def test_profile_categories_count_kernels_and_skip_annotations_that_span_them():

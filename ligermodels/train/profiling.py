@@ -232,15 +232,12 @@ class StepProfiler:
         copy or fill runs on any stream; ``gpu_idle_ms`` = wall - active (the host not keeping the GPU fed,
         syncs); ``nccl_ms``, the time some NCCL kernel runs; ``nccl_exposed_ms``, the part of it during which
         nothing else runs (communication that computation does not hide)."""
-        comm, compute, fsdp = [], [], []
+        comm, compute = [], []
         for e in self.prof.events():
-            span = (e.time_range.start, e.time_range.end)
             if self.device_work(e):
-                (comm if "nccl" in e.name.lower() else compute).append((*span, e.name))
-            elif e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("FSDP::"):
-                fsdp.append((*span, e.name))  # FSDP2's annotation of the collective on the GPU's timeline
+                (comm if "nccl" in e.name.lower() else compute).append((e.time_range.start, e.time_range.end, e.name))
         n = len(self.steps)
-        comm = [(a, b, self.collective_label(a, b, name, fsdp)) for a, b, name in comm]
+        comm = [(a, b, self.collective_label(name)) for a, b, name in comm]
         spans = [(a, b) for a, b, _ in comm]
         compute = [(a, b) for a, b, _ in compute]
         active = union_us(spans + compute) / n / 1e3
@@ -253,13 +250,15 @@ class StepProfiler:
                                         for op, site, us, k in self.idle_sites()[:15]]}
 
     @staticmethod
-    def collective_label(start: float, end: float, kernel: str, fsdp: list[tuple[float, float, str]]) -> str:
-        """The FSDP2 annotation overlapping an NCCL kernel most (``FSDP::all_gather (layers.3)``), else the
-        kernel's name up to its arguments."""
-        best = max(fsdp, key=lambda f: min(end, f[1]) - max(start, f[0]), default=None)
-        if best is not None and min(end, best[1]) > max(start, best[0]):
-            return best[2]
-        return kernel.split("(")[0]
+    def collective_label(kernel: str) -> str:
+        """The collective an NCCL kernel runs, from its name: ``ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(...)``
+        -> ``ReduceScatter f32``. (FSDP2's GPU-side annotations do not bound its kernels tightly enough to name
+        the module: an all-gather's kernel can overlap the copy-out of the one before.)"""
+        m = re.search(r"(AllGather|ReduceScatter|AllReduce|Broadcast|SendRecv|AllToAll|Reduce)(?:_\w+?_(\w+?)_)?",
+                      kernel)
+        if m is None:
+            return kernel.split("(")[0]
+        return f"{m.group(1)} {m.group(2)}" if m.group(2) else m.group(1)
 
     @classmethod
     def device_work(cls, e) -> bool:
@@ -284,14 +283,13 @@ class StepProfiler:
         per_cat, kernels = device_time_by_category(self.prof.key_averages(), self.CATEGORIES, n)
         busy = sum(per_cat.values())
         lines = [f"# steps {self.steps.start}-{self.steps.stop - 1}: {wall_ms:.2f} ms a step (wall, host clock); "
-                 f"GPU busy {busy:.2f} ms ({100 * busy / wall_ms:.1f}%)",
+                 f"GPU kernel time {busy:.2f} ms ({100 * busy / wall_ms:.1f}%; summed over streams, so kernels",
+                 "# side by side, such as NCCL's beside a GEMM's, count twice: the timeline below counts them once)",
                  "# (recording Python stacks slows the host: the GPU's idle time here is an upper bound; compare the",
-                 "# busy time with the unprofiled steps' time in metrics.jsonl)", "",
+                 "# timeline's active time with the unprofiled steps' time in metrics.jsonl)", "",
                  f"{'category':32s} {'ms/step':>9s} {'% step':>7s}"]
         for cat, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
             lines.append(f"{cat:32s} {ms:9.2f} {100 * ms / wall_ms:6.1f}%")
-        idle = wall_ms - busy
-        lines.append(f"{'GPU idle (host, syncs, gaps)':32s} {idle:9.2f} {100 * idle / wall_ms:6.1f}%")
         t = timeline
         lines += ["", "Device timeline, all streams (kernels that overlap counted once):",
                   f"{'GPU active':32s} {t['gpu_active_ms']:9.2f} {100 * t['gpu_active_ms'] / wall_ms:6.1f}%",
