@@ -50,11 +50,11 @@ trainer per invocation builds one file):
   of all-gather / reduce-scatter with compute does not hide; ``gpu_idle_ms``: the GPU waiting for the
   host), and the table under ``results/profiles/``.
 
-``--prefetch`` and ``--reshard-after-forward`` set ligermodels.train's FSDP2 options (torchtitan keeps its
-defaults: explicit prefetching off, every block resharded after forward); the row's ``label`` names the
-non-default ones. ``--split-check`` adds, for each N > 1, a one-GPU run of ours with ``--grad-accum N``
-(the same global batch) for ``--split-steps`` steps, whose losses must equal the N-GPU run's within
-fp32 rounding (relative 1e-5).
+``--prefetch``, ``--reshard-after-forward`` and ``--shard-embedding`` set ligermodels.train's FSDP2 options
+(torchtitan keeps its defaults: explicit prefetching off, every block resharded after forward, the embedding
+gathered); the row's ``label`` names the non-default ones. ``--split-check`` adds, for each N > 1, a one-GPU
+run of ours with ``--grad-accum N`` (the same global batch) for ``--split-steps`` steps, whose losses must
+equal the N-GPU run's within fp32 rounding (relative 1e-5).
 
 ``checks`` holds the targets (:data:`TARGETS`) per GPU count and AC mode: the faster of ours and
 ours + compile at least 1.15x torchtitan + compile in tokens/s per GPU with no higher peak memory; per
@@ -169,7 +169,8 @@ def label(impl: str, args: argparse.Namespace) -> str:
     if impl.startswith("titan"):
         return impl
     extra = ("" if args.reshard_after_forward == "default" else f"+reshard-{args.reshard_after_forward}") + (
-        f"+prefetch{args.prefetch}" if args.prefetch else "")
+        f"+prefetch{args.prefetch}" if args.prefetch else "") + (
+        "+vocab-embedding" if args.shard_embedding == "vocab" else "")
     return impl + extra
 
 
@@ -182,7 +183,7 @@ def ours_command(args: argparse.Namespace, impl: str, nproc: int, ac: str, model
            "--log-every", "1", "--lr", str(LR), "--lr-schedule", "constant", "--warmup-steps", "0",
            "--seed", str(SEED), "--ac", ac, "--attention", args.attention, "--dtype", args.dtype,
            "--device", args.device, "--reshard-after-forward", args.reshard_after_forward,
-           "--prefetch", str(args.prefetch)]
+           "--prefetch", str(args.prefetch), "--shard-embedding", args.shard_embedding]
     if impl == "ours+compile":
         cmd.append("--compile")
     if impl == "ours+fp8":
@@ -463,6 +464,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reshard-after-forward", choices=("default", "always", "never"), default="default",
                     help="ligermodels.train's FSDP2 reshard policy")
     ap.add_argument("--prefetch", type=int, default=0, help="ligermodels.train's explicit FSDP2 prefetch (layers)")
+    ap.add_argument("--shard-embedding", choices=("gather", "vocab"), default="gather",
+                    help="ligermodels.train's embedding under FSDP2: gathered whole, or looked up by vocabulary block")
     ap.add_argument("--profile", action="store_true",
                     help="ours: ligermodels.train --profile (exposed communication, GPU idle time)")
     ap.add_argument("--split-check", action="store_true",
@@ -641,7 +644,8 @@ def run_one(args: argparse.Namespace, impl: str, n: int, ac: str, model_dir: str
     env = child_env(args.device, HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=os.path.join(work, "hf-datasets-cache"),
                     TOKENIZERS_PARALLELISM="false")
     if impl.startswith("ours"):
-        row.update(reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch)
+        row.update(reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch,
+                   shard_embedding=args.shard_embedding)
         cmd = ours_command(args, impl, n, ac, model_dir, data, out, grad_accum, args.split_steps if split else None)
         run = launch(cmd, os.path.join(out, "torchrun.log"), args.timeout, env, f"[{tag}]", args.verbose)
         metrics = read_metrics(out)

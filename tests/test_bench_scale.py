@@ -55,19 +55,19 @@ def test_bad_arguments_are_refused_by_name(capsys, flags, message):
 
 # ------------------------------------------------------------------------------------------ commands
 def test_ours_command():
-    args = _args("--prefetch", "2", "--reshard-after-forward", "never", "--profile")
+    args = _args("--prefetch", "2", "--reshard-after-forward", "never", "--profile", "--shard-embedding", "vocab")
     cmd = bs.ours_command(args, "ours+compile", 4, "full", "M", "D/data.jsonl", "O")
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     text = " ".join(cmd)
     for part in ("-m ligermodels.train --model M --from-scratch --data D/data.jsonl --out O --overwrite",
                  "--seq-len 8192 --batch-size 1 --grad-accum 1 --steps 20", "--ac full --attention causal",
-                 "--dtype bf16 --device cuda --reshard-after-forward never --prefetch 2",
+                 "--dtype bf16 --device cuda --reshard-after-forward never --prefetch 2 --shard-embedding vocab",
                  "--lr-schedule constant --warmup-steps 0"):
         assert part in text, part
     assert cmd[-2:] == ["--compile", "--profile"]
     split = bs.ours_command(args, "ours", 1, "full", "M", "D", "O", grad_accum=8, steps=3)
     assert "--grad-accum 8 --steps 3" in " ".join(split) and "--compile" not in split and "--profile" not in split
-    assert bs.label("ours+compile", args) == "ours+compile+reshard-never+prefetch2"
+    assert bs.label("ours+compile", args) == "ours+compile+reshard-never+prefetch2+vocab-embedding"
     assert bs.label("titan", args) == "titan" and bs.label("ours", _args()) == "ours"
 
 

@@ -159,6 +159,43 @@ def test_split_invariance_one_rank_accum2_equals_two_ranks(run_one, run_two):
 
 
 @pytest.fixture(scope="module")
+def run_vocab_sharded(checkpoint, data, workdir):
+    out = workdir / "vocab-sharded"
+    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "2", "--ac", "full",
+                  "--shard-embedding", "vocab"], nproc=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+def test_an_embedding_sharded_by_vocabulary_takes_the_gathered_embeddings_steps(checkpoint, data, workdir, run_two,
+                                                                                 run_vocab_sharded):
+    """--shard-embedding vocab (each rank looks up its own rows for both ranks' tokens) against FSDP2 gathering
+    the table: the same losses, gradient norms and exported weights within fp32 rounding; a checkpoint written
+    by the gathering run resumes under vocab sharding (one DCP layout) and ends where that run ended."""
+    from ligermodels.train.config import TrainConfig
+
+    assert TrainConfig.__dataclass_fields__["shard_embedding"].default == "gather"
+    vocab = load_file(os.path.join(checkpoint, "model.safetensors"))["model.embed_tokens.weight"].shape[0]
+    assert vocab % 2 == 1  # the two blocks differ in length: ceil(V / 2) rows and one fewer
+    two, sharded = _metrics(run_two), _metrics(run_vocab_sharded)
+    assert [m["step"] for m in sharded] == [1, 2, 3, 4]
+    for a, b in zip(two, sharded, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * abs(a["grad_norm"]), (a, b)
+    w1, w2 = _weights(run_two), _weights(run_vocab_sharded)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert _rel(w2[k], w1[k]) <= 1e-6, k
+    out = _cut_back_to_step_2(run_two, workdir / "vocab-resumed")
+    res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "2", "--ac", "full",
+                  "--shard-embedding", "vocab", "--resume"], nproc=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    w3 = _weights(out)
+    for k in w1:
+        assert _rel(w3[k], w1[k]) <= 1e-6, k
+
+
+@pytest.fixture(scope="module")
 def run_tuned(checkpoint, data, workdir):
     out = workdir / "tuned"
     res = _train([*_flags(checkpoint, data, out), "--grad-accum", "1", "--save-every", "0", "--ac", "full",

@@ -55,6 +55,7 @@ from ligermodels.train.objectives import PreferenceTask, SFTTask
 from ligermodels.train.parallelize import (
     build_model,
     build_optimizer,
+    check_embedding_sharding,
     loss_strategy,
     lr_factor,
     setup_distributed,
@@ -127,6 +128,8 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
 
     # -- model, optimiser, schedule
     check_cuda_graph(config, inputs.config, world, device)
+    if world > 1:
+        check_embedding_sharding(config, inputs.config)
     model = build_model(inputs, config, rank, world, device)
     dist.barrier()  # every rank has its inputs and weights: only now may --overwrite delete the old run
     if rank == 0 and config.overwrite:

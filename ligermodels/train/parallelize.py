@@ -35,6 +35,7 @@ from ligermodels.lora import add_lora, lora_modules
 from ligermodels.model import CausalLM
 from ligermodels.train.config import AC_MODES, TrainConfig, TrainError
 from ligermodels.train.data import Inputs
+from ligermodels.train.sharded_embedding import VocabShardedEmbedding
 
 
 # ------------------------------------------------------------------------------------------ processes
@@ -360,7 +361,12 @@ def shard_rest(model: CausalLM, config: TrainConfig, mesh) -> None:
         for method in ("loss", "logprobs", "logprob_loss"):  # the loss head calls these, not forward()
             register_fsdp_forward_method(model.head, method)
         units.append(model.head)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    ignored = set()
+    if config.shard_embedding == "vocab":  # the embedding's rows stay where they are, out of FSDP2's root
+        check_embedding_sharding(config, model.config)
+        model.embed = VocabShardedEmbedding(model.embed, mesh, mp.param_dtype)
+        ignored.add(model.embed.weight)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     for method in ("loss", "token_logprobs", "logprob_loss"):  # called instead of forward()
         register_fsdp_forward_method(model, method)
     if config.prefetch:
@@ -368,6 +374,13 @@ def shard_rest(model: CausalLM, config: TrainConfig, mesh) -> None:
         for i, unit in enumerate(units):
             unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + n])
             unit.set_modules_to_backward_prefetch(units[max(0, i - n):i][::-1])
+
+
+def check_embedding_sharding(config: TrainConfig, model: DecoderConfig) -> None:
+    """``--shard-embedding vocab`` needs an untied head (a tied one is the embedding's whole table)."""
+    if config.shard_embedding == "vocab" and model.tie_embeddings:
+        raise TrainError("--shard-embedding vocab needs an untied output head: this model ties it to the "
+                         "embedding (tie_word_embeddings), whose whole table the head needs on every rank")
 
 
 def nf4_to_storage(model: torch.nn.Module) -> set[torch.nn.Module]:
