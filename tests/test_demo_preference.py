@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: Two threads where there are two cores: the SFT stage is the whole plain demo (600 steps).
 ENV = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": str(min(2, os.cpu_count() or 1)),
        "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"}
-TIMEOUT = 600  # (75 s alone; the suite's other worker shares the two cores)
+TIMEOUT = 600  # (75 s alone; the suite's other worker shares the two cores: OMP_WAIT_POLICY, tests/conftest.py)
 #: TRL's DPOTrainer metrics, logged by the preference stage at every step.
 TRL_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                "logps/rejected")

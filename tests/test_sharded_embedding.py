@@ -70,19 +70,20 @@ def _run_and_exit(rank: int, port: int, dtype_name: str, padding: bool) -> None:
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
-@pytest.mark.parametrize("padding", [True, False], ids=["padding-idx", "no-padding"])
-@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype_name, padding", [("fp32", True), ("bf16", False)],
+                         ids=["fp32-padding-idx", "bf16-no-padding"])
 def test_each_rank_looks_up_its_tokens_in_the_blocks_and_keeps_its_blocks_gradient(dtype_name, padding):
     mp.spawn(_run_and_exit, args=(_free_port(), dtype_name, padding), nprocs=WORLD, join=True)
 
 
-def test_a_tied_embedding_is_refused_by_name(tmp_path):
-    """The output head of a tied model is the embedding's table, which every rank needs whole."""
+def test_a_tied_embedding_and_a_preference_objective_are_refused_by_name(tmp_path):
+    """The output head of a tied model is the embedding's table, which every rank needs whole; a preference
+    micro-batch is a row as long as its pairs, so the ranks' rows differ in length."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ligermodels import CausalLM, DecoderConfig
     from ligermodels.train.config import TrainConfig, TrainError
-    from ligermodels.train.parallelize import shard_rest
+    from ligermodels.train.parallelize import check_embedding_sharding, shard_rest
 
     with torch.device("meta"):
         model = CausalLM(DecoderConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_layers=1,
@@ -94,3 +95,9 @@ def test_a_tied_embedding_is_refused_by_name(tmp_path):
             shard_rest(model, config, init_device_mesh("cpu", (1,)))
     finally:
         torch.distributed.destroy_process_group()
+    untied = DecoderConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_layers=1, num_heads=2,
+                           num_kv_heads=2)
+    with pytest.raises(TrainError, match="--shard-embedding vocab trains SFT rows only .--objective dpo"):
+        check_embedding_sharding(TrainConfig(out=str(tmp_path / "out"), shard_embedding="vocab", objective="dpo"),
+                                 untied)
+    check_embedding_sharding(config, untied)  # SFT, untied: taken

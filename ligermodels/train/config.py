@@ -159,7 +159,7 @@ class TrainConfig:
                                                   "weights held through the forward)", ("default", "always", "never"))
     prefetch: int = _flag(0, "FSDP2 (several ranks): all-gather the next N layers ahead, in forward and backward "
                              "(0: FSDP2's own implicit prefetching)")
-    shard_embedding: str = _flag("gather", "several ranks, an untied embedding: gather = FSDP2 gathers the whole "
+    shard_embedding: str = _flag("gather", "several ranks, SFT, an untied embedding: gather = FSDP2 gathers the whole "
                                            "table each step and reduce-scatters its gradient; vocab = each rank "
                                            "keeps its block of rows and looks up every rank's tokens in it (token "
                                            "ids and (tokens, hidden) rows are exchanged, not the table)",

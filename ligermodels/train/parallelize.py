@@ -377,10 +377,17 @@ def shard_rest(model: CausalLM, config: TrainConfig, mesh) -> None:
 
 
 def check_embedding_sharding(config: TrainConfig, model: DecoderConfig) -> None:
-    """``--shard-embedding vocab`` needs an untied head (a tied one is the embedding's whole table)."""
-    if config.shard_embedding == "vocab" and model.tie_embeddings:
+    """``--shard-embedding vocab`` needs an untied head (a tied one is the embedding's whole table) and rows of one
+    shape on every rank (SFT's packed rows; a preference micro-batch is one row as long as its pairs), since the
+    ranks exchange their token ids and rows in tensors of one size."""
+    if config.shard_embedding != "vocab":
+        return
+    if model.tie_embeddings:
         raise TrainError("--shard-embedding vocab needs an untied output head: this model ties it to the "
                          "embedding (tie_word_embeddings), whose whole table the head needs on every rank")
+    if config.objective != "sft":
+        raise TrainError(f"--shard-embedding vocab trains SFT rows only (--objective {config.objective} packs each "
+                         "rank's pairs into a row of its own length)")
 
 
 def nf4_to_storage(model: torch.nn.Module) -> set[torch.nn.Module]:
