@@ -357,6 +357,22 @@ def test_lora_training_trains_the_adapters_only_and_exports_a_peft_adapter(runs_
         (final / "adapter_model.safetensors").read_bytes()
 
 
+def test_lora_over_an_embedding_sharded_by_vocabulary_takes_the_two_rank_lora_steps(runs_lora, checkpoint, data,
+                                                                                      workdir):
+    """The frozen embedding under --shard-embedding vocab (no gradient, out of FSDP2's root): the same losses and
+    adapters as the two-rank LoRA run that gathers it."""
+    out = workdir / "lora-vocab"
+    res = _train([*_flags(checkpoint, data, out), "--lora-rank", "4", "--lora-alpha", "8", "--save-every", "2",
+                  "--grad-accum", "1", "--shard-embedding", "vocab"], nproc=2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    two, vocab = _metrics(runs_lora["two"]), _metrics(out)
+    assert len(two) == len(vocab) == 4
+    for a, b in zip(two, vocab, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), (a, b)
+    a, b = (load_file(str(run / "final" / "adapter_model.safetensors")) for run in (runs_lora["two"], out))
+    assert a.keys() == b.keys() and all(_rel(b[k], a[k]) <= 1e-6 for k in a)
+
+
 def test_lora_on_one_rank_in_bf16_allocates_the_frozen_base_in_bf16(checkpoint, data, workdir):
     """One rank, bf16 compute, LoRA: the frozen base is built in bf16 (never an fp32 copy on the device) and the
     adapters in fp32; the run trains, and its first loss is the loss of the base rounded to bf16 once."""
