@@ -58,53 +58,60 @@ def make_inputs(vocab: int, hidden: int, device: str = "cuda", pairs: int = PAIR
             "ref_weight": weight.to(device, dtype), "target": target.to(device)}
 
 
-def ours(inp: dict) -> torch.Tensor:
-    """The trainer's DPO head on the packed (N, H) tokens."""
-    from kernels.logprobs import fused_linear_logprobs, sequence_sums
+def _packed(inp: dict, side_by_side: bool) -> SimpleNamespace:
+    """The micro-batch as the trainer packs it: tokens (N,) of every sequence in one row, chosen sequences first
+    (``side_by_side`` False) or each pair's two side by side (chosen 0, rejected 0, chosen 1, ...); chosen and
+    rejected sequence indices, the sequences' segments and completion tokens, DPO's settings."""
+    seqs, seq, hidden = inp["hidden"].shape
+    pairs, dev = seqs // 2, inp["target"].device
+    order = torch.arange(seqs, device=dev)
+    if side_by_side:
+        order = order.view(2, pairs).t().reshape(-1)
+    target = inp["target"][order].reshape(-1)
+    completion = target != -100
+    chosen = torch.arange(0, seqs, 2) if side_by_side else torch.arange(pairs)
+    return SimpleNamespace(
+        order=order, target=target, completion=completion, seqs=seqs, seq=seq, pairs=pairs, hidden=hidden,
+        chosen=chosen.to(dev), rejected=(chosen + (1 if side_by_side else pairs)).to(dev),
+        segments=torch.arange(seqs, device=dev).repeat_interleave(seq),
+        lens=torch.full((seqs,), float(completion.sum() / seqs), device=dev),
+        config=SimpleNamespace(beta=BETA, label_smoothing=0.0, dpo_loss="sigmoid"))
+
+
+def _dpo(p: SimpleNamespace, pol: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The mean sigmoid DPO loss of the sequences' policy and reference log-probs (seqs,)."""
     from ligermodels.train.objectives import dpo_terms
 
-    seqs, seq, hidden = inp["hidden"].shape
-    target = inp["target"].reshape(-1)
-    segments = torch.arange(seqs, device=target.device).repeat_interleave(seq)
-    completion = target != -100
-    pairs = seqs // 2
+    c, r = p.chosen, p.rejected
+    return dpo_terms(p.config, pol[c], pol[r], ref[c], ref[r], p.lens[c], p.lens[r])[0].mean()
+
+
+def ours(inp: dict) -> torch.Tensor:
+    """The per-token head on the packed (N, H) tokens, autograd through the loss."""
+    from kernels.logprobs import fused_linear_logprobs, sequence_sums
+
+    p = _packed(inp, side_by_side=False)
 
     def logps(h, w):
-        return sequence_sums(fused_linear_logprobs(h.reshape(-1, hidden), w, target), segments, seqs, completion)
+        return sequence_sums(fused_linear_logprobs(h.reshape(-1, p.hidden), w, p.target), p.segments, p.seqs,
+                             p.completion)
 
     with torch.no_grad():
         ref = logps(inp["ref_hidden"], inp["ref_weight"])
-    pol = logps(inp["hidden"], inp["weight"])
-    config = SimpleNamespace(beta=BETA, label_smoothing=0.0, dpo_loss="sigmoid")
-    lens = torch.full((seqs,), float(completion.sum() / seqs), device=target.device)
-    losses, _ = dpo_terms(config, pol[:pairs], pol[pairs:], ref[:pairs], ref[pairs:], lens[:pairs], lens[pairs:])
-    return losses.mean()
+    return _dpo(p, logps(inp["hidden"], inp["weight"]), ref)
 
 
 def ours_fused(inp: dict) -> torch.Tensor:
     """The trainer's DPO head: pairs side by side, the gradient taken in the forward."""
     from kernels.logprobs import fused_linear_logprob_loss, fused_linear_logprobs, sequence_sums
-    from ligermodels.train.objectives import dpo_terms
 
-    seqs, seq, hidden = inp["hidden"].shape
-    pairs = seqs // 2
-    order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1).to(inp["target"].device)
-    target = inp["target"][order].reshape(-1)  # chosen 0, rejected 0, chosen 1, ...
-    segments = torch.arange(seqs, device=target.device).repeat_interleave(seq)
-    completion = target != -100
+    p = _packed(inp, side_by_side=True)
     with torch.no_grad():
-        ref_tok = fused_linear_logprobs(inp["ref_hidden"][order].reshape(-1, hidden), inp["ref_weight"], target)
-        ref = sequence_sums(ref_tok, segments, seqs, completion)
-    config = SimpleNamespace(beta=BETA, label_smoothing=0.0, dpo_loss="sigmoid")
-    lens = torch.full((seqs,), float(completion.sum() / seqs), device=target.device)
-
-    def loss_fn(tok: torch.Tensor) -> torch.Tensor:
-        pol = sequence_sums(tok, segments, seqs, completion)
-        losses, _ = dpo_terms(config, pol[0::2], pol[1::2], ref[0::2], ref[1::2], lens[0::2], lens[1::2])
-        return losses.mean()
-
-    ends = [2 * seq * (i + 1) for i in range(pairs)]
-    return fused_linear_logprob_loss(inp["hidden"][order].reshape(-1, hidden), inp["weight"], target, loss_fn,
+        ref_tok = fused_linear_logprobs(inp["ref_hidden"][p.order].reshape(-1, p.hidden), inp["ref_weight"], p.target)
+        ref = sequence_sums(ref_tok, p.segments, p.seqs, p.completion)
+    ends = [2 * p.seq * (i + 1) for i in range(p.pairs)]
+    return fused_linear_logprob_loss(inp["hidden"][p.order].reshape(-1, p.hidden), inp["weight"], p.target,
+                                     lambda tok: _dpo(p, sequence_sums(tok, p.segments, p.seqs, p.completion), ref),
                                      ends)[0]
 
 

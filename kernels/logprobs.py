@@ -111,25 +111,26 @@ class _LogprobLossFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, loss_fn, chunks, ignore_index, softcap, want_h, want_w, want_b):
         # the log-probs so far; -1 (a finite log-prob) where a later chunk has not written them yet
         logp = torch.full(target.shape, -1.0, dtype=torch.float32, device=hidden.device)
+        value = []  # the loss at the last chunk's call, when every log-prob is written: the loss itself
 
         def chunk_grad(start: int, end: int, loss: torch.Tensor) -> torch.Tensor:
             torch.neg(loss, out=logp[start:end])
             with torch.enable_grad():
                 x = logp.detach().requires_grad_()
-                (grad,) = torch.autograd.grad(_scalar(loss_fn(x)), x, allow_unused=True)
+                y = _scalar(loss_fn(x))
+                (grad,) = torch.autograd.grad(y, x, allow_unused=True)
+            value[:] = [y.detach().float()]
             if grad is None:
                 return torch.zeros(end - start, dtype=torch.float32, device=logp.device)
             return grad[start:end].neg()  # fp32, contiguous: the gradient of -logp, the loop's per-token loss
 
         _, _, dh, dw, db = _flce_loop(hidden, weight, bias, target, None, None, ignore_index, 0.0, 0.0, softcap,
                                       want_h, want_w, want_b, chunks=chunks, chunk_grad=chunk_grad)
-        with torch.no_grad():
-            value = _scalar(loss_fn(logp)).float().clone()
         ctx.save_for_backward(dh, dw, db)
         ctx.wants = (want_h, want_w, want_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(logp)
-        return value, logp
+        return value[0], logp
 
     @staticmethod
     def backward(ctx, grad, _grad_logp):

@@ -29,7 +29,14 @@ from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig
 from ligermodels.train.data import count_loss_tokens
 from ligermodels.train.parallelize import loss_strategy
-from ligermodels.train.preference import WITH_REFERENCE, ExampleStream, PackedSequences, PreferenceBatch, make_batch
+from ligermodels.train.preference import (
+    WITH_REFERENCE,
+    ExampleStream,
+    PackedSequences,
+    PreferenceBatch,
+    make_batch,
+    slot_ends,
+)
 
 
 def sft_loss(model: CausalLM, config: TrainConfig, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -408,7 +415,7 @@ class PreferenceTask:
         c, n = self.config, len(PackedSequences.TENSORS) + 1
         rows, rest = PackedSequences.from_flat(list(tensors[:n]), c.seq_len), tensors[n:]
         if self.graph_slot:  # the examples' ends, fixed by their slots
-            rows = dataclasses.replace(rows, group_ends=tuple(self.graph_slot * (i + 1) for i in range(c.batch_size)))
+            rows = dataclasses.replace(rows, group_ends=slot_ends(self.graph_slot, c.batch_size))
         kl = labels = None
         if c.objective == "kto":
             kl, labels, rest = PackedSequences.from_flat(list(rest[:n]), c.seq_len), rest[n], rest[n + 1:]

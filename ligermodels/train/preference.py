@@ -254,8 +254,8 @@ class PackedSequences:
         """``sequences`` in one row, every ``group`` consecutive ones an example (:attr:`group_ends`)."""
         ids = torch.tensor([t for s in sequences for t in s.ids], dtype=torch.int64)
         lengths = torch.tensor([len(s.ids) for s in sequences])
-        ends = torch.cumsum(lengths, 0)[group - 1::group].tolist()
-        starts = torch.cumsum(lengths, 0) - lengths
+        cum = torch.cumsum(lengths, 0)
+        ends, starts = cum[group - 1::group].tolist(), cum - lengths
         seg = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
         pos = torch.arange(len(ids)) - torch.repeat_interleave(starts, lengths)
         first = pos == 0
@@ -300,7 +300,7 @@ class PackedSequences:
         else:
             starts = (0, *self.group_ends[:-1])
             pieces = [(a, b, slot - (b - a)) for a, b in zip(starts, self.group_ends, strict=True)]
-            ends = tuple(slot * (i + 1) for i in range(len(pieces)))
+            ends = slot_ends(slot, len(pieces))
             if slot * len(pieces) != length:
                 raise ValueError(f"{len(pieces)} examples in slots of {slot} tokens do not make a row of {length}")
         if t > length or any(pad < 0 for _, _, pad in pieces):
@@ -328,6 +328,11 @@ class PackedSequences:
         *fields, cu_seqlens = tensors
         kw = dict(zip(cls.TENSORS, fields, strict=True))
         return cls(**kw, documents=Documents(document_ids_from_positions(kw["position_ids"]), cu_seqlens, max_len))
+
+
+def slot_ends(slot: int, examples: int) -> tuple[int, ...]:
+    """Where the examples of a row padded into slots of ``slot`` tokens end (:meth:`PackedSequences.padded`)."""
+    return tuple(slot * (i + 1) for i in range(examples))
 
 
 @dataclass

@@ -86,21 +86,11 @@ def exposed_us(comm: list[tuple[float, float]], compute: list[tuple[float, float
 
 
 def exposed_by_label(comm: list[tuple[float, float, str]], compute: list[tuple[float, float]]) -> dict[str, float]:
-    """Exposed communication (as :func:`exposed_us`) split by what it was: ``comm`` holds (start, end, label)
-    intervals (a collective, labelled with the FSDP2 module it gathers or reduces); each one's exposed part is
-    its length less its overlap with the union of ``compute``. Returns {label: us}; collectives that overlap
-    each other on two streams are each charged their own exposed time."""
-    merged: list[list[float]] = []
-    for start, end in sorted(compute):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    out: dict[str, float] = {}
+    """:func:`exposed_us` for each label of the ``comm`` intervals (start, end, label: the collective), {label: us}."""
+    spans: dict[str, list[tuple[float, float]]] = {}
     for start, end, label in comm:
-        hidden = sum(max(0.0, min(end, b) - max(start, a)) for a, b in merged if a < end and b > start)
-        out[label] = out.get(label, 0.0) + (end - start) - hidden
-    return out
+        spans.setdefault(label, []).append((start, end))
+    return {label: exposed_us(s, compute) for label, s in spans.items()}
 
 
 def device_time_by_category(averages, categories, steps: int, other: str = "other elementwise"
@@ -234,12 +224,15 @@ class StepProfiler:
         nothing else runs (communication that computation does not hide)."""
         comm, compute = [], []
         for e in self.prof.events():
-            if self.device_work(e):
-                (comm if "nccl" in e.name.lower() else compute).append((e.time_range.start, e.time_range.end, e.name))
+            if not self.device_work(e):
+                continue
+            span = (e.time_range.start, e.time_range.end)
+            if "nccl" in e.name.lower():
+                comm.append((*span, self.collective_label(e.name)))
+            else:
+                compute.append(span)
         n = len(self.steps)
-        comm = [(a, b, self.collective_label(name)) for a, b, name in comm]
         spans = [(a, b) for a, b, _ in comm]
-        compute = [(a, b) for a, b, _ in compute]
         active = union_us(spans + compute) / n / 1e3
         by = sorted(exposed_by_label(comm, compute).items(), key=lambda kv: -kv[1])
         return {"steps": list(self.steps), "wall_ms": round(wall_ms, 3), "gpu_active_ms": round(active, 3),
