@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -93,16 +94,25 @@ def ours_command(args, model_dir: str, data: str, out: str) -> list[str]:
 def run_ours(args, impl: str, model_dir: str, data: str) -> dict:
     out = os.path.join(args.out, f"{impl}-{args.model}-{args.objective}-{args.reference}")
     graph = ["--cuda-graph"] if impl == "ligermodels-graph" else []
-    res = run_child(ours_command(args, model_dir, data, out) + graph, args.timeout)
+    profile = ["--profile"] if args.profile else []
+    res = run_child(ours_command(args, model_dir, data, out) + graph + profile, args.timeout)
     if res.returncode != 0:
         return {"error": res.stderr[-2000:]}
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
-    tps = sorted(m["tokens_per_s"] for m in metrics[args.warmup:])
+    profiled, row = set(), {}
+    if args.profile and os.path.isfile(os.path.join(out, "profile.json")):  # the profiled steps are not timed
+        with open(os.path.join(out, "profile.json")) as f:
+            profiled = set(json.load(f)["steps"])
+        copy = os.path.join(args.results, "profiles", f"preference-profile-{os.path.basename(out)}.txt")
+        os.makedirs(os.path.dirname(copy), exist_ok=True)
+        shutil.copyfile(os.path.join(out, "profile.txt"), copy)
+        row = {"steps_profiled": sorted(profiled), "profile_file": os.path.relpath(copy, args.results)}
+    tps = sorted(m["tokens_per_s"] for m in metrics[args.warmup:] if m["step"] not in profiled)
     return {"tokens_per_s": round(tps[len(tps) // 2], 1),
             "peak_mem_gb": round(max(m["peak_mem_gb"] for m in metrics), 2),
             "tokens_per_step": metrics[-1]["tokens"], "steps": len(metrics), "steps_timed": len(tps),
-            "losses": [round(m["loss"], 5) for m in metrics]}
+            "losses": [round(m["loss"], 5) for m in metrics], **row}
 
 
 def trl_worker(args) -> dict:
@@ -245,6 +255,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "checkpoint, both sides (TRL + PEFT)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--profile", action="store_true", help="ours: ligermodels.train --profile (steps 6-7, left out "
+                   "of the median); the table under results/profiles/")
     p.add_argument("--shrink", action="store_true", help="a tiny shape on the CPU (tests only; no timing claims)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--tag", default="")

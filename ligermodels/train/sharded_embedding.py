@@ -41,7 +41,7 @@ class _VocabShardedLookup(torch.autograd.Function):
         mine = (every >= start) & (every < start + block.shape[0])
         index = (every - start).clamp_(0, max(block.shape[0] - 1, 0))
         if block.shape[0]:
-            rows = torch.where(mine.unsqueeze(-1), block.to(dtype)[index], 0)
+            rows = torch.where(mine.unsqueeze(-1), block[index].to(dtype), 0)  # cast the rows, not the block
         else:  # a rank past the last row (more ranks than blocks of ceil(V / N) rows)
             rows = block.new_zeros((*every.shape, block.shape[1]), dtype=dtype)
         out = rows.new_empty((*ids.shape, block.shape[1]))
