@@ -170,7 +170,8 @@ def label(impl: str, args: argparse.Namespace) -> str:
         return impl
     extra = ("" if args.reshard_after_forward == "default" else f"+reshard-{args.reshard_after_forward}") + (
         f"+prefetch{args.prefetch}" if args.prefetch else "") + (
-        "+vocab-embedding" if args.shard_embedding == "vocab" else "")
+        "+vocab-embedding" if args.shard_embedding == "vocab" else "") + (
+        "+reduce-bf16" if args.reduce_dtype == "bf16" else "")
     return impl + extra
 
 
@@ -183,7 +184,8 @@ def ours_command(args: argparse.Namespace, impl: str, nproc: int, ac: str, model
            "--log-every", "1", "--lr", str(LR), "--lr-schedule", "constant", "--warmup-steps", "0",
            "--seed", str(SEED), "--ac", ac, "--attention", args.attention, "--dtype", args.dtype,
            "--device", args.device, "--reshard-after-forward", args.reshard_after_forward,
-           "--prefetch", str(args.prefetch), "--shard-embedding", args.shard_embedding]
+           "--prefetch", str(args.prefetch), "--shard-embedding", args.shard_embedding,
+           "--reduce-dtype", args.reduce_dtype]
     if impl == "ours+compile":
         cmd.append("--compile")
     if impl == "ours+fp8":
@@ -466,6 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefetch", type=int, default=0, help="ligermodels.train's explicit FSDP2 prefetch (layers)")
     ap.add_argument("--shard-embedding", choices=("gather", "vocab"), default="gather",
                     help="ligermodels.train's embedding under FSDP2: gathered whole, or looked up by vocabulary block")
+    ap.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="ligermodels.train's FSDP2 gradient reduce-scatter dtype")
     ap.add_argument("--profile", action="store_true",
                     help="ours: ligermodels.train --profile (exposed communication, GPU idle time)")
     ap.add_argument("--split-check", action="store_true",
@@ -645,7 +649,7 @@ def run_one(args: argparse.Namespace, impl: str, n: int, ac: str, model_dir: str
                     TOKENIZERS_PARALLELISM="false")
     if impl.startswith("ours"):
         row.update(reshard_after_forward=args.reshard_after_forward, prefetch=args.prefetch,
-                   shard_embedding=args.shard_embedding)
+                   shard_embedding=args.shard_embedding, reduce_dtype=args.reduce_dtype)
         cmd = ours_command(args, impl, n, ac, model_dir, data, out, grad_accum, args.split_steps if split else None)
         run = launch(cmd, os.path.join(out, "torchrun.log"), args.timeout, env, f"[{tag}]", args.verbose)
         metrics = read_metrics(out)

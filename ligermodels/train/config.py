@@ -164,6 +164,10 @@ class TrainConfig:
                                            "keeps its block of rows and looks up every rank's tokens in it (token "
                                            "ids and (tokens, hidden) rows are exchanged, not the table)",
                                  ("gather", "vocab"))
+    reduce_dtype: str = _flag("fp32", "FSDP2 (several ranks): the dtype gradients are reduce-scattered in: fp32 = "
+                                      "each rank's gradient cast up and summed in fp32; bf16 = half the bytes "
+                                      "through the collective and its copy-in, each partial sum rounded to bf16",
+                              ("fp32", "bf16"))
 
     # ------------------------------------------------------------------------------ checks and defaults
     def __post_init__(self) -> None:
