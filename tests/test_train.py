@@ -1465,3 +1465,16 @@ def test_new_families_train_the_same_steps_on_one_gpu_and_on_two_gpus_with_nccl(
     """The same on two GPUs over NCCL, fp32 (the CUDA kernels and NCCL's fp32 reduce-scatter, whose summation
     order differs from one rank's accumulation: bounds 10x the CPU's)."""
     _one_rank_against_two(case, data, workdir, "cuda", (1e-4, 1e-3, 1e-4))
+
+
+def test_gradients_reduced_in_bf16_take_the_fp32_reduced_steps_within_bf16_rounding(checkpoint, data, workdir, run_two):
+    """``--reduce-dtype bf16`` reduce-scatters the gradients in bf16: the first forward is the fp32-reduced run's, the
+    gradient norm differs by bf16 rounding (at most 2^-8 relative) and the later losses by little, but they do
+    differ (the flag reaches FSDP2)."""
+    bf16 = _two_ranks(checkpoint, data, workdir / "reduce-bf16", "--reduce-dtype", "bf16")
+    fp32, low = _metrics(run_two), _metrics(bf16)
+    assert low[0]["loss"] == fp32[0]["loss"]
+    norms = [abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in zip(fp32, low, strict=True)]
+    assert 0 < norms[0] <= 2 ** -8, norms
+    losses = [abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(fp32, low, strict=True)]
+    assert 0 < max(losses) <= 3e-4, losses
