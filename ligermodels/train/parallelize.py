@@ -321,7 +321,8 @@ def shard(model: CausalLM, config: TrainConfig, world: int, device: torch.device
     """FSDP2 over ``world`` ranks: one unit per decoder layer (:func:`shard_layer`), one for an untied output head,
     the root holding the embedding (with a tied head) and the final norm (:func:`shard_rest`).
 
-    bf16 compute with fp32 gradient reduction (``--reduce-dtype``); the cos/sin tables stay fp32 (layer inputs are not cast).
+    bf16 compute with fp32 gradient reduction (``--reduce-dtype``); the cos/sin tables stay fp32 (layer inputs
+    are not cast).
     The head is a unit of its own so that its gradient (a (V, H) fp32 reduce-scatter, 2.1 GB at Llama-3's
     128k vocabulary) is reduced under the layers' backward; in the root it waited for the end of backward.
     ``--reshard-after-forward`` picks which layers free their gathered weights after forward (by default
