@@ -36,6 +36,7 @@ model, objective, reference and implementation), so several calls may fill one f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,7 +46,7 @@ import sys
 import time
 
 from benchmarks.bench_train import LORA, ensure_base, lora_flags, lora_modules, peft_model, run_child, summarize
-from benchmarks.common import MODELS, RESULTS, SPECIALS, environment, write_model_dir, write_results
+from benchmarks.common import MODELS, RESULTS, SPECIALS, GPUClocks, environment, write_model_dir, write_results
 
 #: ours (eager, and with the step replayed from a CUDA graph: ``--cuda-graph``), then TRL's variants
 OURS = ("ligermodels", "ligermodels-graph")
@@ -257,6 +258,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--profile", action="store_true", help="ours: ligermodels.train --profile (steps 6-7, left out "
                    "of the median); the table under results/profiles/")
+    p.add_argument("--gpu-clocks", action="store_true", help="sample the GPU's SM clock, power and power capping "
+                   "during each run (nvidia-smi; benchmarks.common.GPUClocks)")
     p.add_argument("--shrink", action="store_true", help="a tiny shape on the CPU (tests only; no timing claims)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--tag", default="")
@@ -280,10 +283,13 @@ def main(argv=None) -> None:
         model_dir = ensure_base(args.out, args.model, int(args.timeout))
     for impl in args.impls:
         t0 = time.perf_counter()
-        try:
-            row = run_ours(args, impl, model_dir, data) if impl in OURS else run_trl(args, impl, model_dir, data)
-        except subprocess.TimeoutExpired:
-            row = {"error": f"did not finish {args.steps} steps within --timeout {args.timeout:g} s"}
+        with GPUClocks() if args.gpu_clocks else contextlib.nullcontext() as clocks:
+            try:
+                row = run_ours(args, impl, model_dir, data) if impl in OURS else run_trl(args, impl, model_dir, data)
+            except subprocess.TimeoutExpired:
+                row = {"error": f"did not finish {args.steps} steps within --timeout {args.timeout:g} s"}
+        if clocks is not None:
+            row["gpu_clocks"] = clocks.summary
         row = {"impl": impl, "model": args.model, "objective": args.objective, "reference": args.reference,
                "ac": args.ac, **({"lora_rank": LORA["rank"]} if args.lora else {}), **row,
                "wall_s": round(time.perf_counter() - t0, 1)}

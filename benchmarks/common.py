@@ -144,6 +144,53 @@ DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 _NOT_WORK = frozenset({"gpu_user_annotation", "cuda_sync"})
 
 
+class GPUClocks:
+    """``with GPUClocks() as clocks: ...``, then ``clocks.summary``: the GPU's SM clock and power while it worked,
+    sampled by ``nvidia-smi`` every ``period_ms`` (samples drawing more than ``busy_w`` watts). ``power_capped``
+    is the share of those samples whose clock-event reasons include the software power cap (bit 0x4): the
+    clock held below its maximum to keep the board under ``power_limit_w``. For reading a step's time: a GPU
+    kept busy without gaps can run its GEMMs at a lower clock than one that idles between bursts. Which GPU:
+    the first of ``CUDA_VISIBLE_DEVICES`` (0 when unset). ``summary`` is None where nvidia-smi is missing."""
+
+    QUERY = "clocks.sm,power.draw,clocks_event_reasons.active"
+
+    def __init__(self, period_ms: int = 200, busy_w: float = 250.0):
+        self.period_ms, self.busy_w, self.summary = period_ms, busy_w, None
+        self.index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+
+    def _smi(self, *args: str, **kwargs):
+        return subprocess.Popen(["nvidia-smi", "-i", self.index, *args, "--format=csv,noheader,nounits"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, **kwargs)
+
+    def __enter__(self) -> GPUClocks:
+        try:
+            self.proc = self._smi(f"--query-gpu={self.QUERY}", f"--loop-ms={self.period_ms}")
+        except FileNotFoundError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        out = self.proc.communicate()[0]
+        limits = self._smi("--query-gpu=power.limit,clocks.max.sm").communicate()[0].split(",")
+        busy = []
+        for line in out.splitlines():
+            try:
+                clock, watts, reasons = (v.strip() for v in line.split(","))
+                busy += [(float(clock), float(watts), int(reasons, 16))] if float(watts) > self.busy_w else []
+            except ValueError:
+                continue
+        if busy:
+            self.summary = {"samples": len(busy), "period_ms": self.period_ms,
+                            "sm_clock_mhz_median": statistics.median(c for c, _, _ in busy),
+                            "sm_clock_mhz_max": float(limits[1]) if len(limits) > 1 else None,
+                            "power_w_median": round(statistics.median(w for _, w, _ in busy), 1),
+                            "power_limit_w": float(limits[0]) if limits[0].strip() else None,
+                            "power_capped": round(sum(bool(r & 4) for _, _, r in busy) / len(busy), 3)}
+
+
 def bench_ms(fn: Callable[[], object], grad_to_none=None, warmup: int = 25, rep: int = 100) -> float:
     """Median wall milliseconds of ``fn()`` (warm-up and repeat in ms, as do_bench takes them)."""
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none,

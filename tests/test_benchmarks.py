@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -307,3 +308,27 @@ def test_dpo_head_benchmark_times_the_sigmoid_dpo_loss_of_its_pairs():
     expected = float(-F.logsigmoid(BETA * delta).mean())
     assert float(ours(inp)) == pytest.approx(expected, rel=1e-6)
     assert float(ours_fused(inp)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_gpu_clocks_summarises_the_busy_samples_and_the_power_capped_share(tmp_path, monkeypatch):
+    """benchmarks.common.GPUClocks reads nvidia-smi's samples: only those above the busy power count, the clock's
+    median and the share held by the software power cap (reason bit 0x4); without nvidia-smi, no summary."""
+    from benchmarks.common import GPUClocks
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *power.limit*) echo '700.00, 1980'; exit;; esac\n"
+                    "printf '1980, 90.5, 0x0000000000000001\\n1700, 650.0, 0x0000000000000004\\n"
+                    "1500, 699.0, 0x0000000000000004\\n1900, 400.0, 0x0000000000000000\\n[N/A], 500, 0x0\\n'\n"
+                    "exec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with GPUClocks(busy_w=250) as clocks:
+        assert clocks.index == "2"
+        time.sleep(0.5)
+    assert clocks.summary == {"samples": 3, "period_ms": 200, "sm_clock_mhz_median": 1700.0, "sm_clock_mhz_max": 1980.0,
+                              "power_w_median": 650.0, "power_limit_w": 700.0, "power_capped": 0.667}
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with GPUClocks() as clocks:
+        pass
+    assert clocks.summary is None
