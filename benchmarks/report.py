@@ -19,6 +19,7 @@ import re
 import sys
 from collections import defaultdict
 
+from benchmarks.bench_scale import one_gpu_run
 from benchmarks.common import MODELS, RESULTS, ROOT, newest_results
 
 #: The generated blocks each file holds (paths relative to the repository root).
@@ -525,22 +526,22 @@ def scale_table(d: dict) -> str:
     st = d["settings"]
     titan = d.get("titan_packages", {}).get("torchtitan", "0.2.2")
     lines = [f"**{d['gpu']}, {d['model']}.** `torchrun -m ligermodels.train` against torchtitan {titan}, FSDP2 with "
-             f"bf16 compute and fp32 gradient reduction, {st['batch_size']} x {st['seq_len']} tokens per GPU a step "
-             f"({st['attention']} attention), AdamW, clipping 1.0, median of steps {st['warmup_steps_dropped'] + 1}-"
+             "bf16 compute and fp32 gradient reduction (bf16 in runs labelled `+reduce-bf16`), "
+             f"{st['batch_size']} x {st['seq_len']} tokens per GPU a step ({st['attention']} attention), AdamW, "
+             f"clipping 1.0, median of steps {st['warmup_steps_dropped'] + 1}-"
              f"{st['steps']}, the runs one after the other on one machine. MFU: the same flop count for both sides "
              "against 989 TFLOP/s. Peak memory of rank 0 (GB = 1e9 B): ours max allocated, torchtitan's max active "
              "bytes from its log.", "",
              "| AC | run | GPUs | tokens/s per GPU | MFU | peak memory (GB) | per GPU vs 1 GPU |",
              "|---|---|---|---|---|---|---|"]
     ok = [r for r in d["rows"] if "error" not in r and r.get("role") != "split-check"]
-    one = {(r["label"], r["ac"]): r["tokens_per_s_per_gpu"] for r in ok if r["gpus"] == 1}
     for r in sorted(d["rows"], key=lambda r: (r["ac"], r["label"], r["gpus"], _scale_label(r))):
         head = f"| {r['ac']} | {_scale_label(r)} | {r['gpus']} |"
         if "error" in r:
             lines.append(f"{head} failed (see the JSON) | | | |")
             continue
-        base = one.get((r["label"], r["ac"]))
-        scaling = f"{r['tokens_per_s_per_gpu'] / base:.3f}" if base and r["gpus"] > 1 else "-"
+        base = one_gpu_run(r, ok) if r["gpus"] > 1 else None
+        scaling = f"{r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.3f}" if base else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         lines.append(f"{head} {r['tokens_per_s_per_gpu']:,.0f} | {mfu} | {r['peak_mem_gb']:.1f} | {scaling} |")
     goals = d["targets"]
@@ -803,18 +804,27 @@ def preference_table(d: dict) -> str:
     for model, objective, rank in sorted({(r["model"], r["objective"], r.get("lora_rank", 0)) for r in d["rows"]}):
         lora = (f", LoRA rank {rank} on the seven projections of a bf16 base (TRL: + PEFT; the reference: the base "
                 "with the adapters off)") if rank else ""
-        lines += [f"**{_name(model)}, {objective.upper()}{lora}**", "",
-                  "| reference | activation checkpointing | implementation | tokens/s | peak memory (GB) |",
-                  "|---|---|---|---|---|"]
         rows = [r for r in d["rows"] if (r["model"], r["objective"], r.get("lora_rank", 0)) == (model, objective, rank)]
+        clocks = any(r.get("gpu_clocks") for r in rows)
+        lines += [f"**{_name(model)}, {objective.upper()}{lora}**", "",
+                  "| reference | activation checkpointing | implementation | tokens/s | peak memory (GB) |"
+                  + (" SM clock, median (power-capped samples) |" if clocks else ""),
+                  "|---|---|---|---|---|" + ("---|" if clocks else "")]
         for r in sorted(rows, key=lambda r: (r["reference"], r["ac"], list(_PREFERENCE_IMPLS).index(r["impl"]))):
             failed = "error" in r
             speed = "failed: " + r["error"].strip().splitlines()[-1] if failed else f"{r['tokens_per_s']:,.0f}"
             memory = f"{r['peak_mem_gb']:.1f}" if "error" not in r else ""
             reference = ("none" if objective not in ("dpo", "kto") else
                          "a forward every step" if r["reference"] == "model" else "precomputed")
-            lines.append(f"| {reference} | {r['ac']} | {_PREFERENCE_IMPLS[r['impl']]} | {speed} | {memory} |")
+            c = r.get("gpu_clocks")
+            clock = f" {c['sm_clock_mhz_median']:.0f} MHz ({100 * c['power_capped']:.0f}%) |" if c else " |"
+            clock = clock if clocks else ""
+            lines.append(f"| {reference} | {r['ac']} | {_PREFERENCE_IMPLS[r['impl']]} | {speed} | {memory} |{clock}")
         lines.append("")
+    if any(r.get("gpu_clocks") for r in d["rows"]):
+        lines += ["SM clock: the median of `nvidia-smi`'s samples every 200 ms while the GPU drew more than 250 W "
+                  "(`--gpu-clocks`), against its 1,980 MHz maximum; in brackets, the share of those samples held down "
+                  "by the software power cap (700 W on the H200).", ""]
     lines += ["Targets (ours / the fastest TRL variant run, at least 1.3; ours / TRL + Liger-Kernel's memory, at most "
               "0.7), per setting:", ""]
     for setting, checks in sorted(d["checks"].items()):
@@ -823,7 +833,8 @@ def preference_table(d: dict) -> str:
                          + (f"; fastest {c['fastest']}" if "fastest" in c else "") + ")")
     lines += ["", "Sources:", "", f"- `{d['_file']}`, commit and command per row:"]
     for r in d["rows"]:
-        lines.append(f"  - {r['impl']}, {r['reference']}, ac {r['ac']}: `{r['command']}` at `{_commit(r['commit'])}`")
+        lines.append(f"  - {r['impl']}, {r['objective']}, {r['reference']}, ac {r['ac']}: `{r['command']}` at "
+                     f"`{_commit(r['commit'])}`")
     return "\n".join(lines)
 
 

@@ -174,10 +174,16 @@ def test_targets_from_rows():
                                 "memory_vs_titan_compile": 1.2, "holds": False}
     assert "8:selective" not in checks  # torchtitan + compile failed there
     assert checks["ours:selective"] == {"scaling_2": {"ratio": 0.96, "holds": True},
-                                        "scaling_4": {"ratio": 0.93, "holds": None},
+                                        "scaling_4": {"ratio": 0.93, "holds": False},
                                         "scaling_8": {"ratio": 0.899, "holds": False}}
     assert checks["ours+compile:selective"] == {"scaling_2": {"ratio": round(1000 / 1100, 3), "holds": False}}
     assert "titan:selective" not in checks  # no 1-GPU run of plain torchtitan
+    # a run with FSDP2 options is held to its implementation's plain one-GPU run (one GPU does not shard)
+    vocab = {**_row("ours+vocab-embedding+reduce-bf16", 2, 955.0, 39.0), "impl": "ours"}
+    assert bs.targets([*rows, vocab])["ours+vocab-embedding+reduce-bf16:selective"] == {
+        "scaling_2": {"ratio": 0.955, "holds": True}}
+    assert bs.one_gpu_run(vocab, rows)["tokens_per_s_per_gpu"] == 1000.0
+    assert bs.one_gpu_run({**vocab, "impl": "ours+fp8"}, rows) is None
     fast = [_row("ours", 2, 1035.0, 40.0), _row("titan+compile", 2, 900.0, 40.0)]
     assert bs.targets(fast)["2:selective"]["holds"] is True  # 1.15x and the same memory
 
