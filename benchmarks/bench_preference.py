@@ -25,7 +25,9 @@ the adapters off on both sides (no second copy), a forward every step or precomp
 
 Per run: ``tokens_per_s`` (median over the steps after ``--warmup`` of the step's input tokens / step time: ours from
 its metrics.jsonl, TRL's from the time between consecutive ``on_step_end`` callbacks after a device sync),
-``peak_mem_gb`` (``max_memory_allocated`` from the loaded model on), ``losses``.
+``peak_mem_gb`` (``max_memory_allocated`` from the loaded model on), ``losses``; with ``--gpu-clocks``,
+``gpu_clocks`` (:class:`benchmarks.common.GPUClocks`: the SM clock and the power-capped share while the GPU worked);
+with ``--profile``, ours' ``profile_file`` (ligermodels.train's table for steps 6-7, which the median leaves out).
 
     python -m benchmarks.bench_preference --out /tmp/bp --model qwen2-1.5b --objective dpo --reference model
 
