@@ -1284,6 +1284,21 @@ def test_profile_writes_the_step_budget_and_its_numbers(checkpoint, data, workdi
     assert [m["step"] for m in _metrics(out)] == list(range(1, 9))
 
 
+@pytest.mark.parametrize("stacks", [True, False])
+def test_a_profile_says_whether_it_recorded_python_stacks(stacks, tmp_path):
+    """Several ranks profile without Python stacks (a rank slowed by recording them makes the others wait in their
+    collectives); the table's header says which."""
+    profiler = StepProfiler(True, steps=1, memory_trace=False, first=0, count=1, stacks=stacks)
+    profiler.before(1, torch.device("cpu"))
+    assert profiler.wants(1)
+    assert profiler.prof.with_stack == stacks
+    torch.ones(64, 64) @ torch.ones(64, 64)
+    profiler.after(1, str(tmp_path / "profile.txt"), rank=0)
+    text = (tmp_path / "profile.txt").read_text()
+    assert ("recording Python stacks slows the host" in text) == stacks
+    assert ("no Python stacks recorded" in text) == (not stacks)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator trace is CUDA's")
 @pytest.mark.parametrize("ac", ["none", "selective"])
 def test_profile_on_one_gpu_records_memory_only_without_activation_checkpointing(ac, checkpoint, data, workdir):
