@@ -50,11 +50,12 @@ trainer per invocation builds one file):
   of all-gather / reduce-scatter with compute does not hide; ``gpu_idle_ms``: the GPU waiting for the
   host), and the table under ``results/profiles/``.
 
-``--prefetch``, ``--reshard-after-forward`` and ``--shard-embedding`` set ligermodels.train's FSDP2 options
-(torchtitan keeps its defaults: explicit prefetching off, every block resharded after forward, the embedding
-gathered); the row's ``label`` names the non-default ones. ``--split-check`` adds, for each N > 1, a one-GPU
-run of ours with ``--grad-accum N`` (the same global batch) for ``--split-steps`` steps, whose losses must
-equal the N-GPU run's within fp32 rounding (relative 1e-5).
+``--prefetch``, ``--reshard-after-forward``, ``--shard-embedding`` and ``--reduce-dtype`` set ligermodels.train's
+FSDP2 options (torchtitan keeps its defaults: explicit prefetching off, every block resharded after forward, the
+embedding gathered, fp32 reduction); the row's ``label`` names the non-default ones (an explicit
+``--shard-embedding`` too: its default, ``auto``, picks per run, and the row's ``shard_embedding`` says so).
+``--split-check`` adds, for each N > 1, a one-GPU run of ours with ``--grad-accum N`` (the same global batch) for
+``--split-steps`` steps, whose losses must equal the N-GPU run's within fp32 rounding (relative 1e-5).
 
 ``checks`` holds the targets (:data:`TARGETS`) per GPU count and AC mode: the faster of ours and
 ours + compile at least 1.15x torchtitan + compile in tokens/s per GPU with no higher peak memory; per
@@ -170,7 +171,7 @@ def label(impl: str, args: argparse.Namespace) -> str:
         return impl
     extra = ("" if args.reshard_after_forward == "default" else f"+reshard-{args.reshard_after_forward}") + (
         f"+prefetch{args.prefetch}" if args.prefetch else "") + (
-        "+vocab-embedding" if args.shard_embedding == "vocab" else "") + (
+        {"auto": "", "vocab": "+vocab-embedding", "gather": "+gathered-embedding"}[args.shard_embedding]) + (
         "+reduce-bf16" if args.reduce_dtype == "bf16" else "")
     return impl + extra
 
@@ -473,8 +474,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reshard-after-forward", choices=("default", "always", "never"), default="default",
                     help="ligermodels.train's FSDP2 reshard policy")
     ap.add_argument("--prefetch", type=int, default=0, help="ligermodels.train's explicit FSDP2 prefetch (layers)")
-    ap.add_argument("--shard-embedding", choices=("gather", "vocab"), default="gather",
-                    help="ligermodels.train's embedding under FSDP2: gathered whole, or looked up by vocabulary block")
+    ap.add_argument("--shard-embedding", choices=("auto", "gather", "vocab"), default="auto",
+                    help="ligermodels.train's embedding under FSDP2: its default (auto), gathered whole, or looked "
+                    "up by vocabulary block")
     ap.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="ligermodels.train's FSDP2 gradient reduce-scatter dtype")
     ap.add_argument("--profile", action="store_true",

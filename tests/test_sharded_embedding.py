@@ -101,3 +101,27 @@ def test_a_tied_embedding_and_a_preference_objective_are_refused_by_name(tmp_pat
         check_embedding_sharding(TrainConfig(out=str(tmp_path / "out"), shard_embedding="vocab", objective="dpo"),
                                  untied)
     check_embedding_sharding(config, untied)  # SFT, untied: taken
+
+
+def test_auto_shards_by_vocabulary_only_where_it_measured_faster():
+    """--shard-embedding auto: vocab for SFT on several ranks with an untied embedding while ranks x tokens a
+    micro-batch stay within VOCAB_SHARDING_MAX_SHARE of the vocabulary (Llama-3's 128256 rows: 2 and 4 ranks of 8192
+    tokens, the measured points), else gather; an explicit choice is kept as given."""
+    from ligermodels import DecoderConfig
+    from ligermodels.train.config import TrainConfig
+    from ligermodels.train.parallelize import VOCAB_SHARDING_MAX_SHARE, embedding_sharding
+
+    llama3 = DecoderConfig(vocab_size=128256, hidden_size=64, intermediate_size=16, num_layers=1, num_heads=2,
+                           num_kv_heads=2)
+    tied = DecoderConfig(vocab_size=128256, hidden_size=64, intermediate_size=16, num_layers=1, num_heads=2,
+                         num_kv_heads=2, tie_embeddings=True)
+    run = lambda **k: TrainConfig(**{"out": "o", "seq_len": 8192, "batch_size": 1, **k})  # noqa: E731
+    assert [embedding_sharding(run(), llama3, n) for n in (1, 2, 4, 8)] == ["gather", "vocab", "vocab", "gather"]
+    assert embedding_sharding(run(batch_size=2), llama3, 4) == "gather"  # 65536 tokens: past the share
+    edge = int(VOCAB_SHARDING_MAX_SHARE * 128256) // 2
+    assert embedding_sharding(TrainConfig(out="o", seq_len=edge, batch_size=1), llama3, 2) == "vocab"
+    assert embedding_sharding(TrainConfig(out="o", seq_len=edge + 1, batch_size=1), llama3, 2) == "gather"
+    assert embedding_sharding(run(), tied, 2) == "gather"
+    assert embedding_sharding(run(objective="dpo"), llama3, 2) == "gather"
+    assert embedding_sharding(run(shard_embedding="gather"), llama3, 2) == "gather"
+    assert embedding_sharding(run(shard_embedding="vocab"), llama3, 8) == "vocab"

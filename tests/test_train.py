@@ -168,8 +168,10 @@ def test_an_embedding_sharded_by_vocabulary_takes_the_gathered_embeddings_steps(
     the table: the same losses, gradient norms and exported weights within fp32 rounding; a checkpoint written
     by the gathering run resumes under vocab sharding (one DCP layout) and ends where that run ended."""
     from ligermodels.train.config import TrainConfig
+    from ligermodels.train.parallelize import embedding_sharding
 
-    assert TrainConfig.__dataclass_fields__["shard_embedding"].default == "gather"
+    config = TrainConfig(out="o", seq_len=32, batch_size=2)  # run_two's: auto gathers this tiny vocabulary
+    assert embedding_sharding(config, LigerLlama.from_hf(checkpoint).config, 2) == "gather"
     vocab = load_file(os.path.join(checkpoint, "model.safetensors"))["model.embed_tokens.weight"].shape[0]
     assert vocab % 2 == 1  # the two blocks differ in length: ceil(V / 2) rows and one fewer
     run_vocab_sharded = _two_ranks(checkpoint, data, workdir / "vocab-sharded", "--shard-embedding", "vocab")

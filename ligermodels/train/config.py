@@ -159,11 +159,13 @@ class TrainConfig:
                                                   "weights held through the forward)", ("default", "always", "never"))
     prefetch: int = _flag(0, "FSDP2 (several ranks): all-gather the next N layers ahead, in forward and backward "
                              "(0: FSDP2's own implicit prefetching)")
-    shard_embedding: str = _flag("gather", "several ranks, SFT, an untied embedding: gather = FSDP2 gathers the whole "
-                                           "table each step and reduce-scatters its gradient; vocab = each rank "
-                                           "keeps its block of rows and looks up every rank's tokens in it (token "
-                                           "ids and (tokens, hidden) rows are exchanged, not the table)",
-                                 ("gather", "vocab"))
+    shard_embedding: str = _flag("auto", "several ranks: gather = FSDP2 gathers the whole embedding table each step "
+                                         "and reduce-scatters its gradient; vocab (SFT, an untied embedding) = each "
+                                         "rank keeps its block of rows and looks up every rank's tokens in it "
+                                         "(token ids and (tokens, hidden) rows are exchanged, not the table); auto = "
+                                         "vocab where it measured faster (SFT, untied, ranks x --batch-size x "
+                                         "--seq-len at most 0.3 of the vocabulary), else gather",
+                                 ("auto", "gather", "vocab"))
     reduce_dtype: str = _flag("fp32", "FSDP2 (several ranks): the dtype gradients are reduce-scattered in: fp32 = "
                                       "each rank's gradient cast up and summed in fp32; bf16 = half the bytes "
                                       "through the collective and its copy-in, each partial sum rounded to bf16",

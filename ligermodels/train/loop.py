@@ -14,6 +14,7 @@ once (a non-finite one never reaches a checkpoint or ``final/``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -56,6 +57,7 @@ from ligermodels.train.parallelize import (
     build_model,
     build_optimizer,
     check_embedding_sharding,
+    embedding_sharding,
     loss_strategy,
     lr_factor,
     setup_distributed,
@@ -117,6 +119,7 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     found = latest_checkpoint(config.out) if config.resume else None
     resume_path, resume_state = found or (None, None)
     config = config.resolved(inputs.config.max_position_embeddings, resume_state)  # once; nothing changes it later
+    config = dataclasses.replace(config, shard_embedding=embedding_sharding(config, inputs.config, world))
     global_rows = config.batch_size * world * config.grad_accum
     fingerprint = resume_inputs(inputs, global_rows)
     if resume_state is not None:
@@ -159,7 +162,8 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     c = inputs.config
     flops, peak = flops_per_token(c, config.seq_len), peak_flops(device, config.dtype)
     say(f"{c.model_type}: {c.num_params() / 1e6:.2f}M parameters, {c.num_layers} layers, hidden {c.hidden_size} | "
-        f"{task.describe(global_rows)} | {world} rank(s) on {device.type}, {config.dtype} | "
+        f"{task.describe(global_rows)} | {world} rank(s) on {device.type}, {config.dtype}"
+        f"{', embedding sharded by vocabulary' if world > 1 and config.shard_embedding == 'vocab' else ''} | "
         f"steps {step + 1}..{config.steps} | "
         f"loss head: {loss_strategy(config, c, device)} | ready after {time.perf_counter() - t_start:.1f} s")
 

@@ -378,6 +378,26 @@ def shard_rest(model: CausalLM, config: TrainConfig, mesh) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - n):i][::-1])
 
 
+#: ``--shard-embedding auto`` looks tokens up where their rows live when the ranks' tokens of a micro-batch are at
+#: most this share of the vocabulary. Measured at 8 layers of Llama-3.1-8B's shape on H200s, 8192 tokens a rank,
+#: 128256 rows (benchmarks/results/scale-NVIDIA_H200-2026-11-28-x4l8-vocab.json): +3.1% per GPU at a share of
+#: 0.128 (2 ranks), +1.2% at 0.255 (4 ranks). The rows exchanged grow with ranks x tokens, the gathered table does
+#: not, so the gain shrinks as the share grows; 0.3 takes both measured points and goes no further.
+VOCAB_SHARDING_MAX_SHARE = 0.3
+
+
+def embedding_sharding(config: TrainConfig, model: DecoderConfig, world: int) -> str:
+    """``--shard-embedding`` as a run of ``world`` ranks takes it, "gather" or "vocab": an explicit choice as given
+    (:func:`check_embedding_sharding` refuses vocab where it cannot run); ``auto``: vocab for SFT on several ranks with
+    an untied embedding when ``world x --batch-size x --seq-len`` is at most :data:`VOCAB_SHARDING_MAX_SHARE` of the
+    vocabulary, else gather."""
+    if config.shard_embedding != "auto":
+        return config.shard_embedding
+    tokens = world * config.batch_size * config.seq_len
+    takes = world > 1 and config.objective == "sft" and not model.tie_embeddings
+    return "vocab" if takes and tokens <= VOCAB_SHARDING_MAX_SHARE * model.vocab_size else "gather"
+
+
 def check_embedding_sharding(config: TrainConfig, model: DecoderConfig) -> None:
     """``--shard-embedding vocab`` needs an untied head (a tied one is the embedding's whole table) and rows of one
     shape on every rank (SFT's packed rows; a preference micro-batch is one row as long as its pairs), since the
