@@ -104,12 +104,13 @@ def ours(inp: dict) -> torch.Tensor:
 def ours_fused(inp: dict) -> torch.Tensor:
     """The trainer's DPO head: pairs side by side, the gradient taken in the forward."""
     from kernels.logprobs import fused_linear_logprob_loss, fused_linear_logprobs, sequence_sums
+    from ligermodels.train.preference import slot_ends
 
     p = _packed(inp, side_by_side=True)
     with torch.no_grad():
         ref_tok = fused_linear_logprobs(inp["ref_hidden"][p.order].reshape(-1, p.hidden), inp["ref_weight"], p.target)
         ref = sequence_sums(ref_tok, p.segments, p.seqs, p.completion)
-    ends = [2 * p.seq * (i + 1) for i in range(p.pairs)]
+    ends = slot_ends(2 * p.seq, p.pairs)  # each pair's two sequences: a slot of 2 x seq tokens
     return fused_linear_logprob_loss(inp["hidden"][p.order].reshape(-1, p.hidden), inp["weight"], p.target,
                                      lambda tok: _dpo(p, sequence_sums(tok, p.segments, p.seqs, p.completion), ref),
                                      ends)[0]

@@ -83,7 +83,7 @@ def test_a_tied_embedding_and_a_preference_objective_are_refused_by_name(tmp_pat
 
     from ligermodels import CausalLM, DecoderConfig
     from ligermodels.train.config import TrainConfig, TrainError
-    from ligermodels.train.parallelize import check_embedding_sharding, shard_rest
+    from ligermodels.train.parallelize import embedding_sharding, shard_rest
 
     with torch.device("meta"):
         model = CausalLM(DecoderConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_layers=1,
@@ -98,9 +98,9 @@ def test_a_tied_embedding_and_a_preference_objective_are_refused_by_name(tmp_pat
     untied = DecoderConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=16, num_layers=1, num_heads=2,
                            num_kv_heads=2)
     with pytest.raises(TrainError, match="--shard-embedding vocab trains SFT rows only .--objective dpo"):
-        check_embedding_sharding(TrainConfig(out=str(tmp_path / "out"), shard_embedding="vocab", objective="dpo"),
-                                 untied)
-    check_embedding_sharding(config, untied)  # SFT, untied: taken
+        embedding_sharding(TrainConfig(out=str(tmp_path / "out"), shard_embedding="vocab", objective="dpo"),
+                           untied, 2)
+    assert embedding_sharding(config, untied, 2) == "vocab"  # SFT, untied: taken
 
 
 def test_auto_shards_by_vocabulary_only_where_it_measured_faster():

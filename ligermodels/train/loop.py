@@ -56,7 +56,6 @@ from ligermodels.train.objectives import PreferenceTask, SFTTask
 from ligermodels.train.parallelize import (
     build_model,
     build_optimizer,
-    check_embedding_sharding,
     embedding_sharding,
     loss_strategy,
     lr_factor,
@@ -119,6 +118,7 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     found = latest_checkpoint(config.out) if config.resume else None
     resume_path, resume_state = found or (None, None)
     config = config.resolved(inputs.config.max_position_embeddings, resume_state)  # once; nothing changes it later
+    # the embedding's sharding, resolved (and a vocab sharding it cannot take refused) before any work
     config = dataclasses.replace(config, shard_embedding=embedding_sharding(config, inputs.config, world))
     global_rows = config.batch_size * world * config.grad_accum
     fingerprint = resume_inputs(inputs, global_rows)
@@ -131,8 +131,6 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
 
     # -- model, optimiser, schedule
     check_cuda_graph(config, inputs.config, world, device)
-    if world > 1:
-        check_embedding_sharding(config, inputs.config)
     model = build_model(inputs, config, rank, world, device)
     dist.barrier()  # every rank has its inputs and weights: only now may --overwrite delete the old run
     if rank == 0 and config.overwrite:

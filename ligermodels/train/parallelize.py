@@ -364,8 +364,7 @@ def shard_rest(model: CausalLM, config: TrainConfig, mesh) -> None:
             register_fsdp_forward_method(model.head, method)
         units.append(model.head)
     ignored = set()
-    if config.shard_embedding == "vocab":  # the embedding's rows stay where they are, out of FSDP2's root
-        check_embedding_sharding(config, model.config)
+    if embedding_sharding(config, model.config, mesh.size()) == "vocab":  # the rows stay out of FSDP2's root
         model.embed = VocabShardedEmbedding(model.embed, mesh, mp.param_dtype)
         ignored.add(model.embed.weight)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
@@ -387,29 +386,24 @@ VOCAB_SHARDING_MAX_SHARE = 0.3
 
 
 def embedding_sharding(config: TrainConfig, model: DecoderConfig, world: int) -> str:
-    """``--shard-embedding`` as a run of ``world`` ranks takes it, "gather" or "vocab": an explicit choice as given
-    (:func:`check_embedding_sharding` refuses vocab where it cannot run); ``auto``: vocab for SFT on several ranks with
-    an untied embedding when ``world x --batch-size x --seq-len`` is at most :data:`VOCAB_SHARDING_MAX_SHARE` of the
-    vocabulary, else gather."""
-    if config.shard_embedding != "auto":
-        return config.shard_embedding
+    """``--shard-embedding`` as a run of ``world`` ranks takes it, "gather" or "vocab". ``vocab`` needs an untied
+    head (a tied one is the embedding's whole table) and rows of one shape on every rank (SFT's packed rows; a
+    preference micro-batch is one row as long as its pairs), since the ranks exchange their token ids and rows in
+    tensors of one size: asked for elsewhere, it is refused (TrainError). ``auto``: vocab for SFT on several ranks
+    with an untied embedding when ``world x --batch-size x --seq-len`` is at most :data:`VOCAB_SHARDING_MAX_SHARE`
+    of the vocabulary, else gather."""
+    if config.shard_embedding == "vocab":
+        if model.tie_embeddings:
+            raise TrainError("--shard-embedding vocab needs an untied output head: this model ties it to the "
+                             "embedding (tie_word_embeddings), whose whole table the head needs on every rank")
+        if config.objective != "sft":
+            raise TrainError(f"--shard-embedding vocab trains SFT rows only (--objective {config.objective} packs "
+                             "each rank's pairs into a row of its own length)")
+        return "vocab"
     tokens = world * config.batch_size * config.seq_len
-    takes = world > 1 and config.objective == "sft" and not model.tie_embeddings
+    takes = (config.shard_embedding == "auto" and world > 1 and config.objective == "sft"
+             and not model.tie_embeddings)
     return "vocab" if takes and tokens <= VOCAB_SHARDING_MAX_SHARE * model.vocab_size else "gather"
-
-
-def check_embedding_sharding(config: TrainConfig, model: DecoderConfig) -> None:
-    """``--shard-embedding vocab`` needs an untied head (a tied one is the embedding's whole table) and rows of one
-    shape on every rank (SFT's packed rows; a preference micro-batch is one row as long as its pairs), since the
-    ranks exchange their token ids and rows in tensors of one size."""
-    if config.shard_embedding != "vocab":
-        return
-    if model.tie_embeddings:
-        raise TrainError("--shard-embedding vocab needs an untied output head: this model ties it to the "
-                         "embedding (tie_word_embeddings), whose whole table the head needs on every rank")
-    if config.objective != "sft":
-        raise TrainError(f"--shard-embedding vocab trains SFT rows only (--objective {config.objective} packs each "
-                         "rank's pairs into a row of its own length)")
 
 
 def nf4_to_storage(model: torch.nn.Module) -> set[torch.nn.Module]:

@@ -40,8 +40,8 @@ class _VocabShardedLookup(torch.autograd.Function):
         # Masks, not boolean indexing: no device-to-host sync (the host keeps queueing the layers' work)
         mine = (every >= start) & (every < start + block.shape[0])
         index = (every - start).clamp_(0, max(block.shape[0] - 1, 0))
-        if block.shape[0]:
-            rows = torch.where(mine.unsqueeze(-1), block[index].to(dtype), 0)  # cast the rows, not the block
+        if block.shape[0]:  # cast the looked-up rows, not the block; zero the other blocks' rows in place
+            rows = block[index].to(dtype).masked_fill_(~mine.unsqueeze(-1), 0)
         else:  # a rank past the last row (more ranks than blocks of ceil(V / N) rows)
             rows = block.new_zeros((*every.shape, block.shape[1]), dtype=dtype)
         out = rows.new_empty((*ids.shape, block.shape[1]))
@@ -62,7 +62,7 @@ class _VocabShardedLookup(torch.autograd.Function):
         dist.all_gather_into_tensor(every, grad_out.contiguous(), group=ctx.group)
         grad = torch.zeros(ctx.block_shape, dtype=torch.float32, device=grad_out.device)
         if ctx.block_shape[0]:  # the rows of other blocks add exact zeros
-            rows = torch.where(mine.unsqueeze(-1), every, 0).to(torch.float32)
+            rows = every.to(torch.float32).masked_fill_(~mine.unsqueeze(-1), 0)
             grad.index_add_(0, index.flatten(), rows.flatten(0, -2))
         grad /= world  # the mean over the ranks, as FSDP2's reduce-scatter gives every other gradient
         return None, grad.to(ctx.block_dtype), None, None, None, None
