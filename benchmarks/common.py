@@ -73,7 +73,8 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 # ------------------------------------------------------------------------------------ results files
 def environment() -> dict:
-    """GPU name, software versions, the command and the commit recorded in every results file.
+    """GPU name, software versions (NCCL's too on a GPU), the ``NCCL_*`` / ``TORCH_NCCL_*`` variables set, the
+    command and the commit recorded in every results file.
 
     ``commit``: ``LIGERMODELS_COMMIT`` when set (a GPU machine gets a copy of the tree without .git), else
     ``git rev-parse HEAD`` with ``+dirty`` when tracked files changed, else ``"unknown"``."""
@@ -91,6 +92,11 @@ def environment() -> dict:
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
+    if torch.cuda.is_available():
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))}
+    if settings:
+        env["nccl_env"] = settings
     env["command"] = " ".join(["python", "-m", module, *sys.argv[1:]])
     env["commit"] = os.environ.get("LIGERMODELS_COMMIT") or _git_commit()
     return env
