@@ -332,3 +332,26 @@ def test_gpu_clocks_summarises_the_busy_samples_and_the_power_capped_share(tmp_p
     with GPUClocks() as clocks:
         pass
     assert clocks.summary is None
+
+
+def test_nccl_bench_settings_are_nccl_variables_or_default():
+    from benchmarks.bench_nccl import parse_setting
+
+    assert parse_setting("default") == {}
+    assert parse_setting("NCCL_PROTO=Simple NCCL_MAX_CTAS=8") == {"NCCL_PROTO": "Simple", "NCCL_MAX_CTAS": "8"}
+    for bad in ("PROTO=Simple", "NCCL_PROTO", "NCCL_PROTO="):
+        with pytest.raises(ValueError, match="NCCL_NAME=VALUE"):
+            parse_setting(bad)
+
+
+def test_nccl_bench_tiny_run_times_each_collective_and_the_gemm_over_gloo(tmp_path):
+    """--tiny: two gloo ranks on the CPU time the three collectives and the GEMM; the row records its setting."""
+    res = subprocess.run([sys.executable, "-m", "benchmarks.bench_nccl", "--tiny", "--out", str(tmp_path),
+                          "--settings", "NCCL_PROTO=Simple"], capture_output=True, text=True, timeout=180,
+                         env=common.child_env("cpu"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    (path,) = glob.glob(str(tmp_path / "nccl-*.json"))
+    row = json.loads(open(path).read())["rows"][0]
+    assert row["setting"] == "NCCL_PROTO=Simple" and row["env"] == {"NCCL_PROTO": "Simple"} and row["ranks"] == 2
+    for op in ("all_gather_bf16", "reduce_scatter_fp32", "reduce_scatter_bf16", "gemm"):
+        assert row[f"{op}_ms"] > 0, (op, row)

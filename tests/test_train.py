@@ -1329,45 +1329,58 @@ def test_cuda_graph_flags_are_refused_where_no_graph_can_run(argv, message, caps
     assert message in capsys.readouterr().err
 
 
-def test_cuda_graph_is_refused_on_several_ranks_in_fp32_and_where_flashattention_cannot_attend():
+def test_cuda_graph_is_refused_on_several_ranks_in_fp32_and_where_masked_attention_would_run_flexattention():
     config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                            num_kv_heads=2)
     cuda = torch.device("cuda")
     # (a TrainConfig with --cuda-graph needs a CUDA device: the flags check_cuda_graph reads, as the run has them)
-    args = types.SimpleNamespace(cuda_graph=True, dtype="bf16", attention="documents")
+    args = types.SimpleNamespace(cuda_graph=True, dtype="bf16", attention="documents", seq_len=64)
     with pytest.raises(TrainError, match="--cuda-graph runs on one rank"):
         check_cuda_graph(args, config, world=2, device=cuda)
     args.dtype = "fp32"
     with pytest.raises(TrainError, match="--cuda-graph needs --dtype bf16"):
         check_cuda_graph(args, config, world=1, device=cuda)
     args.dtype = "bf16"
+    # soft-capping at head dim 8: FlexAttention's (the Triton kernel takes 64, 128 and 256), documents or not
     softcapped = dataclasses.replace(config, attn_softcap=50.0)
-    with pytest.raises(TrainError, match="attention within documents does not run through FlashAttention"):
-        check_cuda_graph(args, softcapped, world=1, device=cuda)
+    for attention in ("documents", "causal"):
+        args.attention = attention
+        with pytest.raises(TrainError, match="soft-capped attention \\(head_dim 8\\) runs through FlexAttention"):
+            check_cuda_graph(args, softcapped, world=1, device=cuda)
+    wide = DecoderConfig(vocab_size=64, hidden_size=256, intermediate_size=48, num_layers=1, num_heads=4,
+                         num_kv_heads=2, attn_softcap=50.0)  # head dim 64: the Triton kernel's
+    check_cuda_graph(args, wide, world=1, device=cuda)
+    args.attention = "documents"
+    check_cuda_graph(args, wide, world=1, device=cuda)
+    # dropout sends attention within documents (and windows shorter than the rows) to FlexAttention at every head dim
+    dropped = dataclasses.replace(wide, attn_softcap=None, attention_dropout=0.1)
+    with pytest.raises(TrainError, match="attention within documents \\(head_dim 64, attention dropout 0.1\\)"):
+        check_cuda_graph(args, dropped, world=1, device=cuda)
     args.attention = "causal"
-    check_cuda_graph(args, softcapped, world=1, device=cuda)  # causal attention: no documents to capture
+    check_cuda_graph(args, dropped, world=1, device=cuda)  # plain causal attention: SDPA, dropout included
+    windowed = dataclasses.replace(dropped, layer_windows=(16,))
+    with pytest.raises(TrainError, match="windowed attention"):
+        check_cuda_graph(args, windowed, world=1, device=cuda)
+    check_cuda_graph(args, dataclasses.replace(windowed, layer_windows=(64,)), world=1, device=cuda)  # >= the rows
     args.cuda_graph = False
     check_cuda_graph(args, config, world=2, device=cuda)  # nothing to check without the flag
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("attention", ["documents", "causal"])
-def test_a_cuda_graph_step_takes_the_eager_steps(checkpoint, data, workdir, attention):
-    """--cuda-graph (bf16 on one GPU; packed documents through padded FlashAttention bounds, or causal): the same
-    losses, gradient norms and final weights as the eager loop, within bf16 rounding (FlashAttention's backward
-    accumulates with atomics, so neither loop repeats itself bit for bit); a batch with more documents than the
-    captured room runs eagerly and says so."""
+def _graph_takes_the_eager_steps(checkpoint: str, data: str, out, attention: str) -> None:
+    """Eager, --cuda-graph and (documents) --cuda-graph --graph-documents 1 runs of 6 bf16 steps on one GPU: the
+    same losses, gradient norms and final weights within bf16 rounding (the attention backward kernels
+    accumulate with atomics, so neither loop repeats itself bit for bit); the tight run says it ran eagerly."""
     runs = {}
     for name, extra in (("eager", []), ("graph", ["--cuda-graph"]), ("tight", ["--cuda-graph", "--graph-documents",
                                                                                  "1"])):
         if name == "tight" and attention == "causal":
             continue
-        out = workdir / f"graph-{attention}-{name}"
-        flags = [a for a in _flags(checkpoint, data, out) if a not in ("fp32", "cpu", "--dtype", "--device")]
+        run = f"{out}-{name}"
+        flags = [a for a in _flags(checkpoint, data, run) if a not in ("fp32", "cpu", "--dtype", "--device")]
         res = _train([*flags, "--device", "cuda", "--dtype", "bf16", "--steps", "6", "--save-every", "0",
                       "--attention", attention, *extra])
         assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = (_metrics(out), _weights(out), res.stdout)
+        runs[name] = (_metrics(run), _weights(run), res.stdout)
     eager = runs["eager"]
     for name, (metrics, weights, _) in runs.items():
         for a, b in zip(eager[0], metrics, strict=True):
@@ -1377,6 +1390,29 @@ def test_a_cuda_graph_step_takes_the_eager_steps(checkpoint, data, workdir, atte
             assert _rel(weights[k].float(), eager[1][k].float()) <= 2e-2, (name, k)
     if "tight" in runs:
         assert "run eagerly (warned once)" in runs["tight"][2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("attention", ["documents", "causal"])
+def test_a_cuda_graph_step_takes_the_eager_steps(checkpoint, data, workdir, attention):
+    """--cuda-graph (bf16 on one GPU; packed documents through the attention kernels' bounds, or causal): the eager
+    loop's steps (:func:`_graph_takes_the_eager_steps`)."""
+    _graph_takes_the_eager_steps(checkpoint, data, workdir / f"graph-{attention}", attention)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_a_cuda_graph_step_takes_the_eager_steps_with_soft_capped_windowed_attention(data, workdir):
+    """Gemma 2 at head dim 64 (soft-capping, a window shorter than the rows, packed documents): the captured
+    step runs kernels.document_attention with the cap, and takes the eager loop's steps."""
+    from tests.test_models import SMALL, make_hf_checkpoint
+
+    model_dir = workdir / "graph-gemma2-model"
+    make_hf_checkpoint(("Gemma2Config", dict(SMALL, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                             head_dim=64, sliding_window=12, pad_token_id=0, query_pre_attn_scalar=64,
+                                             attn_logit_softcapping=1.5, final_logit_softcapping=2.0)),
+                       str(model_dir))
+    save_tokenizer(build_tokenizer(), str(model_dir))
+    _graph_takes_the_eager_steps(str(model_dir), data, workdir / "graph-gemma2", "documents")
 
 
 def test_graphed_step_captures_tensor_learning_rates_and_gives_the_schedule_back_its_floats(monkeypatch):

@@ -144,12 +144,13 @@ class TrainConfig:
                                  "OUT/profile.json (rank 0)")
     cuda_graph: bool = _flag(False, "capture the training step (forward, backward, clipping, AdamW) once as a CUDA "
                                     "graph and replay it, so the GPU never waits for the host: one CUDA rank, "
-                                    "--grad-accum 1, bf16 attention through FlashAttention (no soft-capping, no "
-                                    "dropout) or --attention causal. A preference objective pads every micro-batch "
-                                    "to the longest that distinct examples of the data make")
+                                    "--grad-accum 1, bf16; masked attention (documents, windows, soft-capping) "
+                                    "through kernels.document_attention or FlashAttention-2's variable-length "
+                                    "kernel, not FlexAttention. A preference objective pads every micro-batch to "
+                                    "the longest that distinct examples of the data make")
     graph_documents: int = _flag(16, "--cuda-graph: room for this many documents per row in the captured step; a "
-                                     "batch with more runs eagerly. Room costs: FlashAttention launches blocks for "
-                                     "every empty sequence of the padding")
+                                     "batch with more runs eagerly. Room costs at head dims FlashAttention-2 takes "
+                                     "(not 64 or 128): it launches blocks for every empty sequence of the padding")
     compile: bool = _flag(False, "torch.compile each decoder layer's forward (inside its activation checkpoint, "
                                  "outside FSDP's hooks)")
     reshard_after_forward: str = _flag("default", "FSDP2 (several ranks): free each layer's gathered weights after "

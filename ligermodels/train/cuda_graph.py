@@ -36,7 +36,7 @@ import torch
 
 from kernels import AdamW
 from kernels.moe import grouped_gemm_device
-from ligermodels.attention import flash_varlen_takes, to_device
+from ligermodels.attention import flash_varlen_takes, to_device, triton_documents_takes, triton_softcap_takes
 from ligermodels.config import DecoderConfig
 from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig, TrainError
@@ -145,26 +145,37 @@ class CUDAGraphStep:
 
 # ------------------------------------------------------------------------------------------ the trainer's step
 def check_cuda_graph(config: TrainConfig, model: DecoderConfig, world: int, device: torch.device) -> None:
-    """TrainError naming what ``--cuda-graph`` cannot capture: several ranks, fp32, or attention within documents
-    that FlashAttention's variable-length kernel does not take (soft-capping, dropout, another head size)."""
+    """TrainError naming what ``--cuda-graph`` cannot capture: several ranks, fp32, mixture-of-experts layers off
+    sm90, or masked attention (documents, a window shorter than ``--seq-len``, soft-capping) that would run through
+    FlexAttention or the dense fallback. The graph takes the masked attention this package's Triton kernel runs
+    (:func:`kernels.document_attention`, at the head dims of ``ligermodels.attention.triton_documents_takes`` and,
+    soft-capped, of ``triton_softcap_takes``) and FlashAttention-2's variable-length kernel (other head dims)."""
     if not config.cuda_graph:
         return
     if world > 1:
         raise TrainError(f"--cuda-graph runs on one rank (the step's collectives are not captured); this run has "
                          f"{world}")
     if config.dtype != "bf16":
-        raise TrainError("--cuda-graph needs --dtype bf16 (the captured attention is FlashAttention's)")
+        raise TrainError("--cuda-graph needs --dtype bf16 (the attention kernels it captures run in bf16 only)")
     if model.num_experts and not (grouped_gemm_device(device) and model.hidden_size % 8 == 0
                                   and model.moe_intermediate_size % 8 == 0):
         raise TrainError(f"--cuda-graph captures {model.model_type}'s mixture-of-experts layers only on an sm90+ GPU "
                          "with hidden and expert sizes multiples of 8 (elsewhere the experts' GEMMs read the "
                          "per-expert token counts on the host); leave out --cuda-graph")
-    if config.attention == "documents":
-        if model.attn_softcap is not None or not flash_varlen_takes(device, torch.bfloat16, model.head_dim,
-                                                                     model.attention_dropout):
-            raise TrainError(f"--cuda-graph: {model.model_type}'s attention within documents does not run through "
-                             "FlashAttention's variable-length kernel (soft-capping, dropout or head_dim "
-                             f"{model.head_dim}); use --attention causal or leave out --cuda-graph")
+    kind = (torch.bfloat16, model.head_dim, model.attention_dropout)
+    windowed = any(w is not None and w < config.seq_len for w in model.layer_windows)
+    if model.attn_softcap is not None:
+        what, captured = "soft-capped attention", triton_softcap_takes(device, *kind)
+    elif config.attention == "documents" or windowed:
+        what = "attention within documents" if config.attention == "documents" else "windowed attention"
+        captured = triton_documents_takes(device, *kind) or flash_varlen_takes(device, *kind)
+    else:
+        return  # plain causal attention: SDPA
+    if not captured:
+        dropout = f", attention dropout {model.attention_dropout}" if model.attention_dropout else ""
+        raise TrainError(f"--cuda-graph: {model.model_type}'s {what} (head_dim {model.head_dim}{dropout}) runs through "
+                         "FlexAttention or the dense fallback, which the graph does not capture; leave out "
+                         "--cuda-graph")
 
 
 class GraphedStep:
