@@ -144,9 +144,9 @@ class TrainConfig:
                                  "OUT/profile.json (rank 0)")
     cuda_graph: bool = _flag(False, "capture the training step (forward, backward, clipping, AdamW) once as a CUDA "
                                     "graph and replay it, so the GPU never waits for the host: one CUDA rank, "
-                                    "--grad-accum 1, bf16; masked attention (documents, windows, soft-capping) "
-                                    "through kernels.document_attention or FlashAttention-2's variable-length "
-                                    "kernel, not FlexAttention. A preference objective pads every micro-batch to "
+                                    "--grad-accum 1, bf16; masked attention (documents, windows) through "
+                                    "kernels.document_attention or FlashAttention-2's variable-length kernel, not "
+                                    "FlexAttention; no soft-capping. A preference objective pads every micro-batch to "
                                     "the longest that distinct examples of the data make")
     graph_documents: int = _flag(16, "--cuda-graph: room for this many documents per row in the captured step; a "
                                      "batch with more runs eagerly. Room costs at head dims FlashAttention-2 takes "
