@@ -67,10 +67,13 @@ def child(params: int, gemm: tuple[int, int, int], out: str) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    def mean_ms(fn, n_runs: int) -> float:
+    def mean_ms(fn, n_runs: int, settle: bool = True) -> float:
+        """Mean time of ``n_runs`` calls after three warm-ups; ``settle``: wait for the device first (False: leave
+        what other streams run going, so that the timed calls run beside it)."""
         for _ in range(3):
             fn()
-        sync()
+        if settle:
+            sync()
         if not cuda:
             import time
             t0 = time.perf_counter()
@@ -99,7 +102,7 @@ def child(params: int, gemm: tuple[int, int, int], out: str) -> None:
             with torch.cuda.stream(side):  # 30 back to back: longer than the GEMMs timed beside them
                 for _ in range(30):
                     fn()
-            beside = mean_ms(gemm_op, 10)  # three warm-ups, then ten timed, while the side stream runs
+            beside = mean_ms(gemm_op, 10, settle=False)  # three warm-ups, then ten timed, beside the side stream
             sync()
             row[f"gemm_beside_{name}_ms"] = round(beside, 4)
             row[f"slowdown_beside_{name}"] = round(beside / alone, 3)
