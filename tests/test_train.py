@@ -1253,6 +1253,48 @@ def test_load_full_state_copies_every_tensor_and_names_a_mismatch():
     assert init_device(config, torch.device("cpu")) == torch.device("cpu")
 
 
+def test_exposed_communication_and_other_device_work_are_charged_to_the_host_range_that_launched_them():
+    """--profile's timeline names the range around each kernel's launching op: the innermost FSDP2 range, one of
+    this package's or the optimiser's step (else the outermost op); GEMMs and attention are left out of the
+    other-work table."""
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, id_, device, span=(0.0, 0.0), corr=0, parent=None):
+        return types.SimpleNamespace(name=name, id=id_, device_type=device, activity_type=None,
+                                     is_user_annotation=False, time_range=types.SimpleNamespace(start=span[0],
+                                                                                                end=span[1]),
+                                     linked_correlation_id=corr, cpu_parent=parent, stack=[])
+
+    gather = event("FSDP::all_gather (layers.0)", 1, cpu)
+    lookup = event("ligermodels::vocab_embedding_backward", 3, cpu)
+    step = event("Optimizer.step#AdamW.step", 5, cpu)
+    host = [gather, event("nccl:_all_gather_base", 2, cpu, parent=gather), lookup,
+            event("c10d::allgather_", 4, cpu, parent=event("aten::empty", 9, cpu, parent=lookup)), step,
+            event("aten::_foreach_norm", 6, cpu, parent=step), event("aten::add", 7, cpu)]
+    device = [event("ncclDevKernel_AllGather_RING_LL(args)", 11, cuda, (0.0, 10000.0), corr=2),
+              event("nvjet_sm90_tst_256x128_64x4(args)", 12, cuda, (5000.0, 20000.0), corr=7),
+              event("ncclDevKernel_AllGather_RING_LL(args)", 13, cuda, (20000.0, 24000.0), corr=4),
+              event("void at::native::multi_tensor_apply_kernel<Meta<4>>(args)", 14, cuda, (30000.0, 33000.0),
+                    corr=6),
+              event("vectorized_elementwise_kernel<8>(args)", 15, cuda, (33000.0, 34000.0), corr=7),
+              event("vectorized_elementwise_kernel<8>(args)", 16, cuda, (34000.0, 35000.0), corr=99)]
+    profiler = StepProfiler(True, steps=8, memory_trace=False, stacks=False)  # steps 6-7: times / 2
+    profiler.prof = types.SimpleNamespace(events=lambda: host + device, key_averages=lambda: [])
+    t = profiler.timeline(wall_ms=20.0)
+    assert t["nccl_exposed_by"] == [{"collective": "AllGather", "ms": 4.5}]
+    assert t["nccl_exposed_by_launch"] == [
+        {"collective": "AllGather <- FSDP::all_gather (layers.0)", "ms": 2.5},
+        {"collective": "AllGather <- ligermodels::vocab_embedding_backward", "ms": 2.0}]
+    assert t["other_kernels_by_launch"] == [
+        {"launched_in": "Optimizer.step#AdamW.step", "kernel": "void at::native::multi_tensor_apply_kernel",
+         "ms": 1.5},
+        {"launched_in": "aten::add", "kernel": "vectorized_elementwise_kernel", "ms": 0.5},
+        {"launched_in": "(unknown host op)", "kernel": "vectorized_elementwise_kernel", "ms": 0.5}]
+    text = profiler.report(20.0, t)
+    assert "AllGather <- ligermodels::vocab_embedding_backward" in text
+    assert "Optimizer.step#AdamW.step" in text.split("by the host range that launched it (ms/step):")[2]
+
+
 def test_idle_time_is_charged_to_the_op_that_launched_the_work_after_it():
     """Gaps between device work (overlaps counted once) go to the host op of the next kernel, by its innermost
     frame in this package; gaps under the threshold are ignored."""

@@ -93,6 +93,26 @@ def exposed_by_label(comm: list[tuple[float, float, str]], compute: list[tuple[f
     return {label: exposed_us(s, compute) for label, s in spans.items()}
 
 
+#: Host-side ranges that device work is charged to, the innermost around the op that launched it: FSDP2's
+#: (``FSDP::all_gather (layers.3)``, ``FSDP::post_backward_reduce (layers.3)``), this package's ops and ranges
+#: (``ligermodels::glu_fwd``, ``ligermodels::vocab_embedding_backward``) and the optimiser's step.
+OWNER_PREFIXES = ("FSDP::", "ligermodels::", "Optimizer.")
+
+
+def launch_owner(op) -> str:
+    """What launched a kernel whose host op is ``op`` (a profiler event with ``name`` and ``cpu_parent``): the
+    innermost range of :data:`OWNER_PREFIXES` up its parent chain, else the outermost op of the chain;
+    ``(unknown host op)`` for None."""
+    if op is None:
+        return "(unknown host op)"
+    outer = op
+    while op is not None:
+        if op.name.startswith(OWNER_PREFIXES):
+            return op.name
+        outer, op = op, op.cpu_parent
+    return outer.name
+
+
 def device_time_by_category(averages, categories, steps: int, other: str = "other elementwise"
                             ) -> tuple[dict[str, float], dict[str, float]]:
     """GPU time per step (ms) by kernel category and by kernel, from torch.profiler's ``key_averages()``:
@@ -229,23 +249,37 @@ class StepProfiler:
         copy or fill runs on any stream; ``gpu_idle_ms`` = wall - active (the host not keeping the GPU fed,
         syncs); ``nccl_ms``, the time some NCCL kernel runs; ``nccl_exposed_ms``, the part of it during which
         nothing else runs (communication that computation does not hide)."""
-        comm, compute = [], []
-        for e in self.prof.events():
+        events = list(self.prof.events())
+        ops = {e.id: e for e in events
+               if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
+        comm, compute, owned = [], [], {}
+        for e in events:
             if not self.device_work(e):
                 continue
             span = (e.time_range.start, e.time_range.end)
+            owner = launch_owner(ops.get(getattr(e, "linked_correlation_id", 0)))
             if "nccl" in e.name.lower():
-                comm.append((*span, self.collective_label(e.name)))
-            else:
-                compute.append(span)
+                comm.append((*span, f"{self.collective_label(e.name)} <- {owner}"))
+                continue
+            compute.append(span)
+            model_own = "|".join(pat for cat, pat in self.CATEGORIES if cat in ("attention", "matmul"))
+            if not re.search(model_own, e.name, re.I):  # the GEMMs and attention: the layers' own work
+                key = (owner, e.name.split("(")[0].split("<")[0][:60])
+                owned[key] = owned.get(key, 0.0) + span[1] - span[0]
         n = len(self.steps)
         spans = [(a, b) for a, b, _ in comm]
         active = union_us(spans + compute) / n / 1e3
-        by = sorted(exposed_by_label(comm, compute).items(), key=lambda kv: -kv[1])
+        by_launch = sorted(exposed_by_label(comm, compute).items(), key=lambda kv: -kv[1])
+        by = sorted(exposed_by_label([(a, b, label.split(" <- ")[0]) for a, b, label in comm], compute).items(),
+                    key=lambda kv: -kv[1])
         return {"steps": list(self.steps), "wall_ms": round(wall_ms, 3), "gpu_active_ms": round(active, 3),
                 "gpu_idle_ms": round(wall_ms - active, 3), "nccl_ms": round(union_us(spans) / n / 1e3, 3),
                 "nccl_exposed_ms": round(exposed_us(spans, compute) / n / 1e3, 3),
                 "nccl_exposed_by": [{"collective": k, "ms": round(us / n / 1e3, 3)} for k, us in by[:12] if us > 0],
+                "nccl_exposed_by_launch": [{"collective": k, "ms": round(us / n / 1e3, 3)}
+                                           for k, us in by_launch[:16] if us > 0],
+                "other_kernels_by_launch": [{"launched_in": o, "kernel": k, "ms": round(us / n / 1e3, 3)}
+                                            for (o, k), us in sorted(owned.items(), key=lambda kv: -kv[1])[:20]],
                 "idle_by_launch_site": [{"op": op, "site": site, "ms": round(us / n / 1e3, 3), "gaps": k // n}
                                         for op, site, us, k in self.idle_sites()[:15]]}
 
@@ -300,6 +334,14 @@ class StepProfiler:
                   f"{'NCCL exposed (nothing else runs)':32s} {t['nccl_exposed_ms']:9.2f} "
                   f"{100 * t['nccl_exposed_ms'] / wall_ms:6.1f}%"]
         lines += [f"  {r['collective'][:60]:60s} {r['ms']:9.2f}" for r in t["nccl_exposed_by"]]
+        if t["nccl_exposed_by_launch"]:
+            lines += ["", "NCCL exposed, by the host range that launched it (ms/step):"]
+            lines += [f"  {r['collective'][:90]:90s} {r['ms']:9.2f}" for r in t["nccl_exposed_by_launch"]]
+        if t["other_kernels_by_launch"]:
+            lines += ["", "Device work other than GEMMs, attention and NCCL, by the host range that launched it "
+                      "(ms/step):"]
+            lines += [f"{r['ms']:9.3f}  {r['launched_in'][:60]:60s} {r['kernel']}"
+                      for r in t["other_kernels_by_launch"]]
         lines += ["", "Top 30 GPU kernels (ms/step):"]
         lines += [f"{ms:9.3f}  {k[:120]}" for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:30]]
         lines += ["", "Top 30 host ops by self CPU time (ms/step):"]

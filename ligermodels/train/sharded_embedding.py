@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.profiler import record_function
 from torch.distributed.tensor import Shard, distribute_tensor
 
 
@@ -34,6 +35,12 @@ class _VocabShardedLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids: torch.Tensor, block: torch.Tensor, start: int, dtype: torch.dtype, padding_idx: int | None,
                 group) -> torch.Tensor:
+        with record_function("ligermodels::vocab_embedding_forward"):  # names its collectives in --profile
+            return _VocabShardedLookup._forward(ctx, ids, block, start, dtype, padding_idx, group)
+
+    @staticmethod
+    def _forward(ctx, ids: torch.Tensor, block: torch.Tensor, start: int, dtype: torch.dtype, padding_idx: int | None,
+                 group) -> torch.Tensor:
         world = dist.get_world_size(group)
         every = ids.new_empty((world * ids.shape[0], *ids.shape[1:]))  # rank r's ids: rows r*B .. (r+1)*B - 1
         dist.all_gather_into_tensor(every, ids.contiguous(), group=group)
@@ -56,6 +63,12 @@ class _VocabShardedLookup(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         if not ctx.needs_input_grad[1]:
             return None, None, None, None, None, None
+        with record_function("ligermodels::vocab_embedding_backward"):
+            return None, _VocabShardedLookup._block_grad(ctx, grad_out), None, None, None, None
+
+    @staticmethod
+    def _block_grad(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        """The block's gradient (its rows' sum over every rank's tokens, / N) from this rank's ``grad_out``."""
         index, mine = ctx.saved_tensors
         world = dist.get_world_size(ctx.group)
         every = grad_out.new_empty((world * grad_out.shape[0], *grad_out.shape[1:]))
@@ -65,7 +78,7 @@ class _VocabShardedLookup(torch.autograd.Function):
             rows = every.to(torch.float32).masked_fill_(~mine.unsqueeze(-1), 0)
             grad.index_add_(0, index.flatten(), rows.flatten(0, -2))
         grad /= world  # the mean over the ranks, as FSDP2's reduce-scatter gives every other gradient
-        return None, grad.to(ctx.block_dtype), None, None, None, None
+        return grad.to(ctx.block_dtype)
 
 
 class VocabShardedEmbedding(nn.Module):
