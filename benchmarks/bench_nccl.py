@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 #: One Llama-3.1-8B decoder layer's parameters (q, k, v, o, gate, up, down, two norms).
 LAYER_PARAMS = 218_112_000
@@ -75,7 +76,6 @@ def child(params: int, gemm: tuple[int, int, int], out: str) -> None:
         if settle:
             sync()
         if not cuda:
-            import time
             t0 = time.perf_counter()
             for _ in range(n_runs):
                 fn()

@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 
 from benchmarks.bench_scale import one_gpu_run
-from benchmarks.common import MODELS, RESULTS, ROOT, newest_results
+from benchmarks.common import MODELS, RESULTS, ROOT, GPUClocks, newest_results
 
 #: The generated blocks each file holds (paths relative to the repository root).
 TARGETS = {
@@ -821,10 +821,13 @@ def preference_table(d: dict) -> str:
             clock = clock if clocks else ""
             lines.append(f"| {reference} | {r['ac']} | {_PREFERENCE_IMPLS[r['impl']]} | {speed} | {memory} |{clock}")
         lines.append("")
-    if any(r.get("gpu_clocks") for r in d["rows"]):
-        lines += ["SM clock: the median of `nvidia-smi`'s samples every 200 ms while the GPU drew more than 250 W "
-                  "(`--gpu-clocks`), against its 1,980 MHz maximum; in brackets, the share of those samples held down "
-                  "by the software power cap (700 W on the H200).", ""]
+    sampled = next((r["gpu_clocks"] for r in d["rows"] if r.get("gpu_clocks")), None)
+    if sampled:
+        lines += [f"SM clock: the median of `nvidia-smi`'s samples every {sampled['period_ms']} ms while the GPU drew "
+                  f"more than {GPUClocks().busy_w:.0f} W (`--gpu-clocks`), against its "
+                  f"{sampled['sm_clock_mhz_max']:,.0f} MHz maximum; in brackets, the share of those samples held "
+                  f"down by the software power cap ({sampled['power_limit_w']:.0f} W on the "
+                  f"{d['gpu'].removeprefix('NVIDIA ')}).", ""]
     lines += ["Targets (ours / the fastest TRL variant run, at least 1.3; ours / TRL + Liger-Kernel's memory, at most "
               "0.7), per setting:", ""]
     for setting, checks in sorted(d["checks"].items()):

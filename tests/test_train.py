@@ -1405,21 +1405,24 @@ def test_cuda_graph_is_refused_on_several_ranks_in_fp32_and_where_masked_attenti
     check_cuda_graph(args, config, world=2, device=cuda)  # nothing to check without the flag
 
 
-def _graph_takes_the_eager_steps(checkpoint: str, data: str, out, attention: str) -> None:
-    """Eager, --cuda-graph and (documents) --cuda-graph --graph-documents 1 runs of 6 bf16 steps on one GPU: the
-    same losses, gradient norms and final weights within bf16 rounding (the attention backward kernels
-    accumulate with atomics, so neither loop repeats itself bit for bit); the tight run says it ran eagerly."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("attention", ["documents", "causal"])
+def test_a_cuda_graph_step_takes_the_eager_steps(checkpoint, data, workdir, attention):
+    """--cuda-graph (bf16 on one GPU; packed documents through the attention kernels' bounds, or causal): the same
+    losses, gradient norms and final weights as the eager loop, within bf16 rounding (the attention backward kernels
+    accumulate with atomics, so neither loop repeats itself bit for bit); a batch with more documents than the
+    captured room runs eagerly and says so."""
     runs = {}
     for name, extra in (("eager", []), ("graph", ["--cuda-graph"]), ("tight", ["--cuda-graph", "--graph-documents",
                                                                                  "1"])):
         if name == "tight" and attention == "causal":
             continue
-        run = f"{out}-{name}"
-        flags = [a for a in _flags(checkpoint, data, run) if a not in ("fp32", "cpu", "--dtype", "--device")]
+        out = workdir / f"graph-{attention}-{name}"
+        flags = [a for a in _flags(checkpoint, data, out) if a not in ("fp32", "cpu", "--dtype", "--device")]
         res = _train([*flags, "--device", "cuda", "--dtype", "bf16", "--steps", "6", "--save-every", "0",
                       "--attention", attention, *extra])
         assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = (_metrics(run), _weights(run), res.stdout)
+        runs[name] = (_metrics(out), _weights(out), res.stdout)
     eager = runs["eager"]
     for name, (metrics, weights, _) in runs.items():
         for a, b in zip(eager[0], metrics, strict=True):
@@ -1429,14 +1432,6 @@ def _graph_takes_the_eager_steps(checkpoint: str, data: str, out, attention: str
             assert _rel(weights[k].float(), eager[1][k].float()) <= 2e-2, (name, k)
     if "tight" in runs:
         assert "run eagerly (warned once)" in runs["tight"][2]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("attention", ["documents", "causal"])
-def test_a_cuda_graph_step_takes_the_eager_steps(checkpoint, data, workdir, attention):
-    """--cuda-graph (bf16 on one GPU; packed documents through the attention kernels' bounds, or causal): the eager
-    loop's steps (:func:`_graph_takes_the_eager_steps`)."""
-    _graph_takes_the_eager_steps(checkpoint, data, workdir / f"graph-{attention}", attention)
 
 
 def test_graphed_step_captures_tensor_learning_rates_and_gives_the_schedule_back_its_floats(monkeypatch):

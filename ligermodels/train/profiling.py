@@ -252,6 +252,7 @@ class StepProfiler:
         events = list(self.prof.events())
         ops = {e.id: e for e in events
                if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
+        model_own = "|".join(pat for cat, pat in self.CATEGORIES if cat in ("attention", "matmul"))
         comm, compute, owned = [], [], {}
         for e in events:
             if not self.device_work(e):
@@ -262,7 +263,6 @@ class StepProfiler:
                 comm.append((*span, f"{self.collective_label(e.name)} <- {owner}"))
                 continue
             compute.append(span)
-            model_own = "|".join(pat for cat, pat in self.CATEGORIES if cat in ("attention", "matmul"))
             if not re.search(model_own, e.name, re.I):  # the GEMMs and attention: the layers' own work
                 key = (owner, e.name.split("(")[0].split("<")[0][:60])
                 owned[key] = owned.get(key, 0.0) + span[1] - span[0]
