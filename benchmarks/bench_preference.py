@@ -50,8 +50,11 @@ import time
 from benchmarks.bench_train import LORA, ensure_base, lora_flags, lora_modules, peft_model, run_child, summarize
 from benchmarks.common import MODELS, RESULTS, SPECIALS, GPUClocks, environment, write_model_dir, write_results
 
-#: ours (eager, and with the step replayed from a CUDA graph: ``--cuda-graph``), then TRL's variants
-OURS = ("ligermodels", "ligermodels-graph")
+#: ours and the flags each adds (eager with each prompt once, the default; the step replayed from a CUDA graph,
+#: which runs each prompt twice; eager with each prompt twice, as TRL runs it), then TRL's variants
+OUR_FLAGS = {"ligermodels": [], "ligermodels-graph": ["--cuda-graph"],
+             "ligermodels-prompt-twice": ["--prompt-pass", "twice"]}
+OURS = tuple(OUR_FLAGS)
 TRL_IMPLS = ("trl", "trl+liger", "trl+compile")
 IMPLS = (*OURS, *TRL_IMPLS)
 SEED = 0
@@ -96,9 +99,8 @@ def ours_command(args, model_dir: str, data: str, out: str) -> list[str]:
 
 def run_ours(args, impl: str, model_dir: str, data: str) -> dict:
     out = os.path.join(args.out, f"{impl}-{args.model}-{args.objective}-{args.reference}")
-    graph = ["--cuda-graph"] if impl == "ligermodels-graph" else []
     profile = ["--profile"] if args.profile else []
-    res = run_child(ours_command(args, model_dir, data, out) + graph + profile, args.timeout)
+    res = run_child(ours_command(args, model_dir, data, out) + OUR_FLAGS[impl] + profile, args.timeout)
     if res.returncode != 0:
         return {"error": res.stderr[-2000:]}
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -215,13 +217,13 @@ def setting(row: dict) -> tuple[str, ...]:
 
 
 def checks(rows: list[dict]) -> dict:
-    """Per :func:`setting` and each of our impls run there (``.../--cuda-graph`` for
-    ``ligermodels-graph``): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
+    """Per :func:`setting` and each of our impls run there (keyed ``.../--cuda-graph`` for ``ligermodels-graph``, and
+    so on: :data:`OUR_FLAGS`): ours / the fastest TRL variant, and ours / TRL + Liger-Kernel's memory."""
     out = {}
     for key in {setting(r) for r in rows}:
         by = {r["impl"]: r for r in rows if setting(r) == key and "error" not in r}
         for impl in (i for i in OURS if i in by):
-            out["/".join(key) + ("/--cuda-graph" if impl == "ligermodels-graph" else "")] = _check(by[impl], by)
+            out["/".join((*key, *([" ".join(OUR_FLAGS[impl])] if OUR_FLAGS[impl] else [])))] = _check(by[impl], by)
     return out
 
 

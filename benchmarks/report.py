@@ -790,7 +790,8 @@ def _newest(prefix: str, table) -> str:
 
 # ------------------------------------------------------------------------------------------ preference tuning
 _PREFERENCE_IMPLS = {"ligermodels": "`python -m ligermodels.train --objective ...`",
-                     "ligermodels-graph": "the same, `--cuda-graph`", "trl": "TRL",
+                     "ligermodels-graph": "the same, `--cuda-graph`",
+                     "ligermodels-prompt-twice": "the same, `--prompt-pass twice`", "trl": "TRL",
                      "trl+liger": "TRL, `use_liger_kernel=True`", "trl+compile": "TRL, `torch_compile=True`"}
 
 

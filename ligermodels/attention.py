@@ -114,6 +114,38 @@ class Documents:
         return Documents(ids, to_device(self.cu_seqlens, device), self.max_len)
 
 
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """Packed sequences whose common prefixes (a preference pair's prompt) are stored once in the model's row.
+
+    The model's per-token work (projections, MLPs, norms, rotary) runs on the row of distinct tokens (1, T); attention
+    runs on the row with every sequence whole (1, Ta), as if each had been packed in full, so every token sees exactly
+    the keys it would see there and the outputs are those of the full packing. A prefix shared by two sequences has
+    the same tokens at the same positions in both, so its hidden states are the same in both: computing them once
+    changes nothing but the work.
+
+    Attributes:
+        documents: the sequences of the attention row (1, Ta) (:class:`Documents`, from its restarting positions).
+        gather: (Ta,) int64, the token of the model's row at each attention position (a shared prefix's tokens
+            appear once per sequence that holds it).
+        scatter: (T,) int64, the attention position whose output each token takes (its first occurrence).
+    """
+
+    documents: Documents
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """Ta, the attention row's length."""
+        return self.gather.numel()
+
+    def to(self, device: torch.device | str) -> SharedPrefixes:
+        device = torch.device(device)
+        return SharedPrefixes(self.documents.to(device), to_device(self.gather, device),
+                              to_device(self.scatter, device))
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` without making the host wait for the GPU: a host tensor goes to a GPU from pinned
     memory (a copy from pageable memory waits for the stream; one from pinned memory is queued like a
@@ -132,16 +164,26 @@ class AttentionMask:
     Attributes:
         seq_len: query/key length S.
         document_ids: (B, S) int tensor, equal ids = same document, or :class:`Documents` (which also
-            carries FlashAttention's variable-length bounds); None = one document per row.
+            carries FlashAttention's variable-length bounds); None = one document per row. Or
+            :class:`SharedPrefixes` (one row): then attention runs on its attention row of ``Ta`` tokens
+            (``seq_len`` becomes Ta; its documents are the mask's), gathered from the model's row by ``gather``
+            and scattered back by ``scatter``.
         cache: per-window masks built on first use (dense bool (B, 1, S, S) or a FlexAttention BlockMask),
             and the variable-length bounds.
     """
 
     seq_len: int
-    document_ids: torch.Tensor | Documents | None = None
+    document_ids: torch.Tensor | Documents | SharedPrefixes | None = None
     cache: dict = field(default_factory=dict)
+    #: :class:`SharedPrefixes`' indices, or None: attention runs on the model's row itself
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
 
     def __post_init__(self):
+        if isinstance(self.document_ids, SharedPrefixes):
+            shared = self.document_ids
+            self.gather, self.scatter, self.seq_len = shared.gather, shared.scatter, shared.length
+            self.document_ids = shared.documents
         if isinstance(self.document_ids, Documents):
             self.cache["varlen"] = self.document_ids
             self.document_ids = self.document_ids.ids

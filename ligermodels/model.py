@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels import fused_linear_cross_entropy, fused_linear_logprob_loss, fused_linear_logprobs, load_balancing_loss
 from kernels.fp8 import fp8_recipe
-from ligermodels.attention import AttentionMask, Documents, document_ids_from_positions
+from ligermodels.attention import AttentionMask, Documents, SharedPrefixes, document_ids_from_positions
 from ligermodels.blocks import DecoderLayer, MoE, RMSNorm, RotaryEmbedding, init_linear_
 from ligermodels.config import DecoderConfig
 
@@ -112,7 +112,8 @@ class CausalLM(nn.Module):
 
     # --------------------------------------------------------------------------------- forward
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      document_ids: torch.Tensor | Documents | None = None, cache: KVCacheStep | None = None
+                      document_ids: torch.Tensor | Documents | SharedPrefixes | None = None,
+                      cache: KVCacheStep | None = None
                       ) -> torch.Tensor:
         """Final-norm hidden states (B, S, H) for token ids (B, S).
 
@@ -123,7 +124,8 @@ class CausalLM(nn.Module):
                 restarting positions with :func:`document_ids_from_positions`, or pass
                 ``Documents.from_positions(position_ids)`` built on the host: on CUDA the packed-document
                 kernel needs the documents' bounds on the host, which plain ids cost one device-to-host
-                copy per forward to get.
+                copy per forward to get. :class:`ligermodels.attention.SharedPrefixes` (one row): sequences
+                whose common prefixes are stored once in ``input_ids``; attention sees each sequence whole.
             cache: generation only: one step of a :class:`ligermodels.generation.KVCache` (its
                 ``step(...)``); the layers write their k/v into it and attend over it.
         """
@@ -201,30 +203,41 @@ class CausalLM(nn.Module):
         return load_balancing_loss(logits, self.config.num_experts, self.config.experts_per_token)
 
     def token_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-                       document_ids: torch.Tensor | Documents | None = None, ignore_index: int = -100,
-                       strategy: str = "tokens") -> torch.Tensor:
+                       document_ids: torch.Tensor | Documents | SharedPrefixes | None = None, ignore_index: int = -100,
+                       strategy: str = "tokens", head_rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 log-probabilities (B * S,) of the next tokens, without materialising logits: entry ``b * S + t`` is
         log p(``labels[b, t + 1]`` | tokens ``..t``), 0 where that label is ``ignore_index`` and at ``t = S - 1``.
         ``labels`` (B, S) are aligned with ``input_ids`` as in :meth:`loss`; the head is
-        :func:`kernels.logprobs.fused_linear_logprobs` (soft-capped when the config says so)."""
+        :func:`kernels.logprobs.fused_linear_logprobs` (soft-capped when the config says so).
+
+        With ``head_rows`` (N,) int64, only those rows of the flattened (B * S) hidden states go through the head
+        (a row may repeat: a shared prompt's last token predicts each completion's first), and ``labels`` (N,) are
+        the tokens they predict, unshifted; the result is (N,)."""
         return self._logprob_head("logprobs", fused_linear_logprobs, input_ids, labels, position_ids, document_ids,
-                                  ignore_index, strategy)
+                                  ignore_index, strategy, head_rows)
 
     def logprob_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, loss_fn, group_ends,
-                     position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | Documents | None = None,
-                     ignore_index: int = -100, strategy: str = "tokens") -> tuple[torch.Tensor, torch.Tensor]:
+                     position_ids: torch.Tensor | None = None,
+                     document_ids: torch.Tensor | Documents | SharedPrefixes | None = None, ignore_index: int = -100,
+                     strategy: str = "tokens", head_rows: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(``loss_fn(logp)``, ``logp`` detached) for the per-token log-probs (B * S,) of :meth:`token_logprobs`,
         where ``loss_fn`` is a sum of terms over groups of tokens ending at the flat offsets ``group_ends`` (host
         ints), each term depending on its own group only (a preference pair): the head then takes its gradient
-        in the forward (:func:`kernels.logprobs.fused_linear_logprob_loss`, 3 GEMMs of the head instead of 4)."""
+        in the forward (:func:`kernels.logprobs.fused_linear_logprob_loss`, 3 GEMMs of the head instead of 4).
+        ``head_rows``: as :meth:`token_logprobs` (then ``group_ends`` count head rows)."""
         return self._logprob_head("logprob_loss", fused_linear_logprob_loss, input_ids, labels, position_ids,
-                                  document_ids, ignore_index, strategy, loss_fn, group_ends)
+                                  document_ids, ignore_index, strategy, head_rows, loss_fn, group_ends)
 
     def _logprob_head(self, method: str, op, input_ids, labels, position_ids, document_ids, ignore_index: int,
-                      strategy: str, *extra):
+                      strategy: str, head_rows: torch.Tensor | None, *extra):
         """The final hidden states and targets through a log-prob head: ``op(h, weight, target, *extra, ...)`` on
         the tied embedding, or the untied head's own ``method`` (which FSDP2 gathers as a unit of its own)."""
-        h, target = self._head_inputs(input_ids, labels, position_ids, document_ids, ignore_index)
+        if head_rows is None:
+            h, target = self._head_inputs(input_ids, labels, position_ids, document_ids, ignore_index)
+        else:
+            h = self.hidden_states(input_ids, position_ids, document_ids)
+            h, target = h.reshape(-1, h.shape[-1]).index_select(0, head_rows), labels.reshape(-1)
         options = dict(ignore_index=ignore_index, softcap=self.config.final_softcap, strategy=strategy)
         if self.head is None:
             return op(h, self.embed.weight, target, *extra, **options)

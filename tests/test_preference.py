@@ -21,6 +21,7 @@ import torch
 
 import kernels.logprobs
 from ligermodels import CausalLM
+from ligermodels.attention import SharedPrefixes
 from ligermodels.hf_io import hf_tensors
 from ligermodels.train.checkpointing import load_reference_logps
 from ligermodels.train.config import TrainConfig, TrainError, parse_args
@@ -51,7 +52,9 @@ CASES = {
     "dpo-ipo": ({"objective": "dpo", "beta": 0.4, "dpo_loss": "ipo"}, "dpo", {"beta": 0.4, "loss_type": ["ipo"]}),
     "dpo-robust": ({"objective": "dpo", "beta": 0.3, "dpo_loss": "robust", "label_smoothing": 0.2}, "dpo",
                    {"beta": 0.3, "loss_type": ["robust"], "label_smoothing": 0.2}),
+    "dpo-prompt-twice": ({"objective": "dpo", "beta": 0.3, "prompt_pass": "twice"}, "dpo", {"beta": 0.3}),
     "orpo": ({"objective": "orpo", "beta": 0.2}, "orpo", {"beta": 0.2}),
+    "orpo-prompt-twice": ({"objective": "orpo", "beta": 0.2, "prompt_pass": "twice"}, "orpo", {"beta": 0.2}),
     "simpo": ({"objective": "simpo", "beta": 2.0, "simpo_gamma": 0.7, "cpo_alpha": 0.5}, "cpo",
               {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.7, "cpo_alpha": 0.5}),
     "simpo-smoothed": ({"objective": "simpo", "beta": 2.0, "label_smoothing": 0.1}, "cpo",
@@ -97,7 +100,7 @@ def _ours(checkpoint: str, data: str, options: dict, out: str, n: int):
     config = TrainConfig(model=checkpoint, data=data, out=out, batch_size=n, seq_len=128, dtype="fp32", device="cpu",
                          **options)
     inputs = load_inputs(config)
-    task = PreferenceTask(config, inputs.examples, "tokens")
+    task = PreferenceTask(config, inputs.examples, "tokens", inputs.config)
     model = CausalLM.from_hf(checkpoint, dtype=torch.float32)
     return task, model
 
@@ -143,7 +146,11 @@ def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case, refere
     counts = task.counts(list(range(n)), 1, CPU)
     reference_passes = []
     task.reference_forward = lambda *a: reference_passes.append(a)  # DPO, KTO: precomputed; ORPO, SimPO: none
-    stats = task.forward_backward(ours, make_batch(task.examples, list(range(n))), counts, 1, CPU)
+    batch = task.make_batch(list(range(n)))  # --prompt-pass once, unless the case says twice or its MoE loss counts
+    assert isinstance(batch.rows.documents, SharedPrefixes) == (ours_options.get("prompt_pass", "once") == "once"
+                                                                and kind != "kto" and case not in ("dpo-moe",
+                                                                                                   "orpo-moe"))
+    stats = task.forward_backward(ours, batch, counts, 1, CPU)
     assert not reference_passes
     our_metrics = task.metrics(stats[1:].tolist(), counts)
 
@@ -226,7 +233,7 @@ def test_the_head_taking_the_gradient_in_its_forward_takes_the_per_token_heads_s
     if kind in ("dpo", "kto"):
         task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
     index = list(range(len(records)))[::-1]
-    counts, batch = task.counts(index, 1, DEVICE), make_batch(task.examples, index)
+    counts, batch = task.counts(index, 1, DEVICE), task.make_batch(index)  # prompts once, the head's rows only
     assert len(batch.rows.group_ends) == len(records)
     longest = max(b - a for a, b in zip((0, *batch.rows.group_ends), batch.rows.group_ends, strict=False))
     chunks = []

@@ -352,7 +352,8 @@ def test_packed_sequences_describe_the_next_token_at_each_position():
     p = PackedSequences.pack(sequences)
     assert p.input_ids.tolist() == [[10, 11, 12, 13, 20, 21, 22, 30, 31]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]  # restart at each sequence
-    assert p.labels.tolist() == [[-100, 11, 12, 13, -100, 21, 22, -100, 31]]  # nothing predicts a first token
+    # position t predicts token t + 1 (nothing predicts a sequence's first token)
+    assert p.targets.tolist() == [11, 12, 13, -100, 21, 22, -100, 31, -100] and p.head_rows.tolist() == list(range(9))
     assert p.documents.cu_seqlens.tolist() == [0, 4, 7, 9] and p.count == 3
     # position t predicts token t + 1: whether that is a completion token (a sequence's first never is), and whose
     assert p.completion.tolist() == [False, True, True, False, True, True, False, True, False]
@@ -360,9 +361,8 @@ def test_packed_sequences_describe_the_next_token_at_each_position():
     assert p.completion_lens.tolist() == [2.0, 2.0, 2.0]
     assert p.predicted_lens.tolist() == [2.0, 2.0, 1.0]  # prompt 0: the first completion token has no predictor
     assert p.completion_lens.dtype == p.predicted_lens.dtype == torch.float32
-    # the labels the completion positions pick are the completion tokens after each sequence's first, in order
-    picked = p.labels[0, 1:][p.completion[:-1]]
-    assert picked.tolist() == [12, 13, 21, 22, 31]
+    # the targets the completion positions pick are the completion tokens after each sequence's first, in order
+    assert p.targets[p.completion].tolist() == [12, 13, 21, 22, 31]
     counts = torch.bincount(p.segment[p.completion], minlength=len(sequences))
     assert counts.tolist() == [int(n) for n in p.predicted_lens]
 
@@ -375,7 +375,8 @@ def test_a_padded_row_adds_documents_of_at_most_seq_len_that_no_sum_reads():
     q = p.padded(14, 4)
     assert q.input_ids.tolist() == [[10, 11, 12, 13, 20, 21, 22, 0, 0, 0, 0, 0, 0, 0]]
     assert q.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 0, 1, 2]]
-    assert q.labels[0, 7:].tolist() == [-100] * 7 and q.labels[0, :7].tolist() == p.labels[0].tolist()
+    assert q.targets[7:].tolist() == [-100] * 7 and q.targets[:7].tolist() == p.targets.tolist()
+    assert q.head_rows.tolist() == list(range(14))
     assert q.completion[7:].sum() == 0 and q.completion[:7].tolist() == p.completion.tolist()
     assert q.segment[7:].tolist() == [0] * 7 and q.completion_lens is p.completion_lens and q.count == 2
     assert q.documents.cu_seqlens.tolist() == [0, 4, 7, 11, 14, 14, 14]  # room for 2 + ceil(14 / 4) sequences
@@ -400,7 +401,7 @@ def test_a_row_in_slots_pads_each_example_and_fixes_where_the_examples_end():
     assert q.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 0, 0, 1, 2]]
     assert q.group_ends == (6, 12)
     keep = torch.tensor([1, 1, 1, 1, 1, 0, 1, 1, 1, 0, 0, 0], dtype=torch.bool)
-    assert q.labels[0, keep].tolist() == p.labels[0].tolist() and (q.labels[0, ~keep] == -100).all()
+    assert q.targets[keep].tolist() == p.targets.tolist() and (q.targets[~keep] == -100).all()
     assert q.completion[keep].tolist() == p.completion.tolist() and not q.completion[~keep].any()
     assert q.segment[keep].tolist() == p.segment.tolist()
     assert q.documents.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 9, 12, 12, 12]  # 4 sequences + 2 x 2 room
@@ -421,7 +422,8 @@ def test_the_graph_gives_each_example_a_slot_when_that_costs_little_padding():
     def task(lengths):
         examples = [PreferenceExample((Sequence([1] * (n // 2), 1), Sequence([1] * (n - n // 2), 1)), "x")
                     for n in lengths]
-        return PreferenceTask(SimpleNamespace(objective="dpo", seed=0, batch_size=4), examples, "tokens")
+        config = SimpleNamespace(objective="dpo", seed=0, batch_size=4, prompt_pass="twice", cuda_graph=True)
+        return PreferenceTask(config, examples, "tokens")
 
     even = task([2050] * 10)
     assert even.graph_slot == 2064 and even.graph_room == (4 * 2064, 0)

@@ -127,7 +127,7 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     if config.objective == "sft":
         task = SFTTask(config, PackedRows(inputs.documents, config.seq_len, config.seed))
     else:
-        task = PreferenceTask(config, inputs.examples, loss_strategy(config, inputs.config, device))
+        task = PreferenceTask(config, inputs.examples, loss_strategy(config, inputs.config, device), inputs.config)
 
     # -- model, optimiser, schedule
     check_cuda_graph(config, inputs.config, world, device)

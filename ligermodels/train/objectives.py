@@ -212,6 +212,13 @@ class SFTTask:
         return {}
 
 
+def wants_router_aux(config: TrainConfig, model_config) -> bool:
+    """Whether a preference objective adds the policy's load-balancing loss (:meth:`PreferenceTask.router_aux`)."""
+    m = model_config
+    return bool(m.num_experts and m.router_aux_loss_coef and (config.objective in WITH_REFERENCE
+                                                               or m.output_router_logits))
+
+
 class PreferenceTask:
     """A preference objective's steps (``--objective`` dpo, orpo, simpo, kto): micro-batches of whole examples
     (:mod:`ligermodels.train.preference`), the policy's sequence log-probs from the chunked fused-linear head
@@ -223,8 +230,12 @@ class PreferenceTask:
     over the global batch's tokens), so any split over ranks and micro-batches takes the same step; with one
     micro-batch it is TRL's loss of that batch."""
 
-    def __init__(self, config: TrainConfig, examples: list, strategy: str):
+    def __init__(self, config: TrainConfig, examples: list, strategy: str, model_config=None):
         self.config, self.examples, self.strategy = config, examples, strategy
+        #: --prompt-pass once applies: not under --cuda-graph (fixed shapes), nor when a load-balancing loss counts
+        #: (it weighs each token of the policy's forward, a prompt once per sequence in TRL's)
+        self.prompt_once = (config.prompt_pass == "once" and not config.cuda_graph
+                            and not (model_config is not None and wants_router_aux(config, model_config)))
         self.stream = ExampleStream(len(examples), config.seed)
         self.names = PREFERENCE_METRICS[config.objective]
         self.reference_logps: torch.Tensor | None = None  # (examples, 2) fp32 on the host
@@ -235,16 +246,26 @@ class PreferenceTask:
         slots = f", an example a slot of {self.graph_slot}" if self.config.cuda_graph and self.graph_slot else ""
         graph = (f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} tokens{slots} "
                  "(--cuda-graph)" if self.config.cuda_graph else "")
+        pairs = self.prompt_once and self.config.objective != "kto"
+        once = ", each pair's prompt once (--prompt-pass once)" if pairs else ""
         return (f"{self.config.objective}: {len(self.examples)} examples, {tokens} tokens, global batch {global_rows} "
-                f"examples (sequences of at most {self.config.seq_len} tokens){graph}")
+                f"examples (sequences of at most {self.config.seq_len} tokens){once}{graph}")
 
     # -- data
     def batches(self, consumed: int, rank: int, world: int, device: torch.device) -> tuple[list, dict]:
         c = self.config
         every = self.stream.indices(consumed, c.batch_size * world * c.grad_accum)
-        micro = [make_batch(self.examples, every[(m * world + rank) * c.batch_size:][:c.batch_size])
+        micro = [self.make_batch(every[(m * world + rank) * c.batch_size:][:c.batch_size])
                  for m in range(c.grad_accum)]
         return micro, self.counts(every, world * c.grad_accum, device)
+
+    def make_batch(self, index: list[int]) -> PreferenceBatch:
+        """The micro-batch of these examples (:func:`ligermodels.train.preference.make_batch`): with ``--prompt-pass
+        once`` (not under --cuda-graph, whose rows keep fixed shapes) each pair's prompt once and only the head
+        rows a loss reads."""
+        once = self.prompt_once
+        head = "all" if not once else "first" if self.config.objective == "orpo" else "completion"
+        return make_batch(self.examples, index, share_prefixes=once, head=head)
 
     def counts(self, index: list[int], micro_batches: int, device: torch.device) -> dict:
         """What a step's sums are divided by, from all of its examples (``index``, over every rank)."""
@@ -260,10 +281,10 @@ class PreferenceTask:
 
     # -- log-probs
     def sequence_logps(self, model: CausalLM, rows: PackedSequences) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-position log-probs (T,), each sequence's summed completion log-probs (n,)) of one packed row already
+        """(the head rows' log-probs (N,), each sequence's summed completion log-probs (n,)) of one packed row already
         on the model's device."""
-        tok = model.token_logprobs(rows.input_ids, rows.labels, rows.position_ids, rows.documents,
-                                   strategy=self.strategy)
+        tok = model.token_logprobs(rows.input_ids, rows.targets, rows.position_ids, rows.documents,
+                                   strategy=self.strategy, head_rows=rows.head_rows)
         return tok, sequence_sums(tok, rows.segment, rows.count, rows.completion)
 
     @torch.no_grad()
@@ -286,7 +307,7 @@ class PreferenceTask:
         model.eval()
         for j in range(rank, -(-len(batches) // world) * world, world):
             index = batches[min(j, len(batches) - 1)]  # a rank past the end repeats the last batch, keeps nothing
-            logps = self.reference_forward(model, make_batch(self.examples, index).to(device))
+            logps = self.reference_forward(model, self.make_batch(index).to(device))
             if j < len(batches):
                 out[index] = logps
         model.train(was_training)
@@ -298,10 +319,7 @@ class PreferenceTask:
         """A mixture-of-experts policy's load-balancing loss of its last forward, where TRL 1.16 adds it: DPO and KTO
         whenever the model has experts and ``router_aux_loss_coef`` is not 0, ORPO and SimPO (TRL's CPO trainer)
         only when the config also sets ``output_router_logits``; else None."""
-        m = model.config
-        wanted = m.num_experts and m.router_aux_loss_coef and (
-            self.config.objective in WITH_REFERENCE or m.output_router_logits)
-        return model.router_aux_loss() if wanted else None
+        return model.router_aux_loss() if wants_router_aux(self.config, model.config) else None
 
     # -- the step
     def forward_backward(self, model: CausalLM, batch: PreferenceBatch, norms: dict, world: int,
@@ -324,9 +342,10 @@ class PreferenceTask:
             ref = self.reference_forward(model, batch)
         kl = self.kl_estimate(model, batch, ref, world) if c.objective == "kto" else None
         objective = functools.partial(self.objective, batch=batch, ref=ref, kl=kl, norms=norms)
-        ends = rows.group_ends if rows.group_ends is not None else (rows.input_ids.numel(),)
-        loss, tok = model.logprob_loss(rows.input_ids, rows.labels, lambda t: objective(t)[0], ends,
-                                       rows.position_ids, rows.documents, strategy=self.strategy)
+        ends = rows.group_ends if rows.group_ends is not None else (rows.targets.numel(),)
+        loss, tok = model.logprob_loss(rows.input_ids, rows.targets, lambda t: objective(t)[0], ends,
+                                       rows.position_ids, rows.documents, strategy=self.strategy,
+                                       head_rows=rows.head_rows)
         metrics = objective(tok)[1]
         aux = self.router_aux(model)  # of the policy's forward, the last one
         if aux is not None:  # each micro-batch's counted 1 / (micro-batches x ranks): a step weighs their mean
@@ -346,7 +365,7 @@ class PreferenceTask:
 
     def objective(self, tok: torch.Tensor, batch: PreferenceBatch, ref: torch.Tensor | None, kl: torch.Tensor | None,
                   norms: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(the micro-batch's loss, per-example metrics) from the policy's per-position log-probs ``tok`` (T,): a sum
+        """(the micro-batch's loss, per-example metrics) from the policy's head-row log-probs ``tok`` (N,): a sum
         of one term per example (pair), each reading that example's tokens only."""
         c, rows = self.config, batch.rows
         logps = sequence_sums(tok, rows.segment, rows.count, rows.completion)

@@ -28,6 +28,11 @@ batch_size`` onward. A micro-batch is one packed row without padding: each examp
 rejected, the next pair's chosen, ...; KTO: its completions, and a second row of the KL sequences), position ids
 restarting at each sequence, so attention stays within a sequence as it does for SFT documents. An example's tokens
 are contiguous, so the loss head takes whole examples a chunk (:func:`kernels.logprobs.fused_linear_logprob_loss`).
+Two savings keep every log-prob as it is (``--prompt-pass once``, the default, not under ``--cuda-graph``): a pair's
+rejected sequence takes its common prefix with the chosen one (the prompt) from it, so the prompt runs through the
+model's per-token work once while attention still sees both sequences whole
+(:class:`ligermodels.attention.SharedPrefixes`); and only the positions whose log-prob a loss reads go through the
+head (no prompt positions, but ORPO's chosen NLL's).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ligermodels.attention import Documents, document_ids_from_positions, to_device
+from ligermodels.attention import Documents, SharedPrefixes, document_ids_from_positions, to_device
 from ligermodels.train.chat import ChatTemplate, ChatTemplateError, check_messages
 from ligermodels.train.data import IGNORE_INDEX, DataError, chat_template, epoch_order, json_lines
 
@@ -230,49 +235,100 @@ def tokenize_preferences(records: list[Record], objective: str, tok: PreferenceT
     return examples
 
 
+def _shared_prefix_gather(sequences: list[Sequence], group: int, starts: list[int]) -> torch.Tensor | None:
+    """(Ta,) int64: for each position of the row of whole sequences, the position of its first occurrence, where
+    each example's later sequences take their common prefix with its first sequence from it; None when no prefix
+    is shared."""
+    gather = torch.arange(sum(len(s.ids) for s in sequences))
+    shared = False
+    for g in range(0, len(sequences), group):
+        head = sequences[g]
+        for j in range(g + 1, g + group):
+            n = _common_prefix(head.ids, sequences[j].ids)
+            gather[starts[j]:starts[j] + n] = gather[starts[g]:starts[g] + n]
+            shared |= n > 0
+    return gather if shared else None
+
+
+#: Which positions of a packed row go through the log-prob head (:meth:`PackedSequences.pack`): every one (the
+#: fixed shapes of a CUDA graph), those predicting a completion token (DPO, SimPO, KTO read nothing else), or those
+#: and every predicting position of each example's first sequence (ORPO: the chosen sequence's NLL, prompt included).
+HEAD_ROWS = ("all", "completion", "first")
+
+
 @dataclass
 class PackedSequences:
-    """Sequences packed into one row (1, T): ``input_ids``, ``position_ids``; per position ``t`` (which predicts
-    token ``t + 1``): ``labels`` (B, T) aligned with the inputs as for SFT (-100 at each sequence's first token),
-    ``segment`` (T,) the sequence of the predicted token, ``completion`` (T,) whether it is a completion token;
-    ``completion_lens`` and ``predicted_lens`` (n,) fp32 (:class:`Sequence`), ``documents`` (the sequences'
-    bounds, found on the host for the attention kernel), and ``group_ends``: host offsets where each example's
-    sequences end (None in a CUDA graph's replay, whose shapes cannot follow the examples)."""
+    """Sequences packed into one row. The model's tokens (1, T): ``input_ids``, ``position_ids``; ``documents``
+    the sequences' bounds (found on the host for the attention kernel), or, when the sequences of an example share
+    a prefix stored once (``share_prefixes``), :class:`ligermodels.attention.SharedPrefixes` (attention then sees
+    every sequence whole). The head's rows (N,): ``head_rows`` the model's rows whose next token gets a log-prob
+    (a row may repeat: a shared prompt's last token predicts both completions' first), ``targets`` that token
+    (-100: none), ``segment`` its sequence, ``completion`` whether it is a completion token. ``completion_lens`` and
+    ``predicted_lens`` (n,) fp32 (:class:`Sequence`), and ``group_ends``: host offsets among the head's rows where
+    each example ends (None in a CUDA graph's replay, whose shapes cannot follow the examples)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    labels: torch.Tensor
+    head_rows: torch.Tensor
+    targets: torch.Tensor
     segment: torch.Tensor
     completion: torch.Tensor
     completion_lens: torch.Tensor
     predicted_lens: torch.Tensor
-    documents: Documents
+    documents: Documents | SharedPrefixes
     group_ends: tuple[int, ...] | None = None
 
     @classmethod
-    def pack(cls, sequences: list[Sequence], group: int = 1) -> PackedSequences:
-        """``sequences`` in one row, every ``group`` consecutive ones an example (:attr:`group_ends`)."""
+    def pack(cls, sequences: list[Sequence], group: int = 1, share_prefixes: bool = False,
+             head: str = "all") -> PackedSequences:
+        """``sequences`` in one row, every ``group`` consecutive ones an example (:attr:`group_ends`). With
+        ``share_prefixes``, each later sequence of an example takes its common prefix with the example's first
+        (the prompt, and any completion tokens both begin with) from the first instead of repeating it. ``head``
+        (:data:`HEAD_ROWS`): which positions go through the log-prob head."""
+        if head not in HEAD_ROWS:
+            raise ValueError(f"head must be one of {HEAD_ROWS}, got {head!r}")
+        # the row with every sequence whole: what attention sees, and what the per-position facts describe
         ids = torch.tensor([t for s in sequences for t in s.ids], dtype=torch.int64)
         lengths = torch.tensor([len(s.ids) for s in sequences])
         cum = torch.cumsum(lengths, 0)
-        ends, starts = cum[group - 1::group].tolist(), cum - lengths
+        ends, starts = cum[group - 1::group], cum - lengths
         seg = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
         pos = torch.arange(len(ids)) - torch.repeat_interleave(starts, lengths)
         first = pos == 0
-        labels = torch.where(first, IGNORE_INDEX, ids)
         prompt = torch.repeat_interleave(torch.tensor([s.prompt_len for s in sequences]), lengths)
         # position t predicts t + 1: shift the per-token facts one to the left
+        targets = torch.full_like(ids, IGNORE_INDEX)
+        targets[:-1] = torch.where(first[1:], IGNORE_INDEX, ids[1:])
         completion = torch.zeros(len(ids), dtype=torch.bool)
         completion[:-1] = (pos >= prompt)[1:] & ~first[1:]
         segment = torch.zeros(len(ids), dtype=torch.int64)
         segment[:-1] = seg[1:]
-        return cls(ids[None], pos[None], labels[None], segment, completion,
+        if head == "all":
+            keep = torch.arange(len(ids))
+        else:
+            wanted = completion
+            if head == "first":
+                wanted = wanted | ((targets != IGNORE_INDEX) & (segment % group == 0))
+            keep = wanted.nonzero().flatten()
+        group_ends = tuple(torch.searchsorted(keep, ends.contiguous()).tolist())  # head rows before each end
+        documents = Documents.from_positions(pos[None])
+        gather = _shared_prefix_gather(sequences, group, starts.tolist()) if share_prefixes else None
+        if gather is None:
+            model_ids, model_pos, head_rows = ids, pos, keep
+        else:
+            own = gather == torch.arange(len(ids))  # a token's first occurrence: a row of the model
+            row = torch.cumsum(own, 0) - 1  # the model's row of each first occurrence
+            scatter = own.nonzero().flatten()
+            gather = row[gather]
+            model_ids, model_pos, head_rows = ids[scatter], pos[scatter], gather[keep]
+            documents = SharedPrefixes(documents, gather, scatter)
+        return cls(model_ids[None], model_pos[None], head_rows, targets[keep], segment[keep], completion[keep],
                    torch.tensor([float(s.completion_len) for s in sequences]),
-                   torch.tensor([float(s.predicted_len) for s in sequences]), Documents.from_positions(pos[None]),
-                   tuple(ends))
+                   torch.tensor([float(s.predicted_len) for s in sequences]), documents, group_ends)
 
     #: The tensor fields, in the order :meth:`flat` lists them
-    TENSORS = ("input_ids", "position_ids", "labels", "segment", "completion", "completion_lens", "predicted_lens")
+    TENSORS = ("input_ids", "position_ids", "head_rows", "targets", "segment", "completion", "completion_lens",
+               "predicted_lens")
 
     @property
     def count(self) -> int:
@@ -292,8 +348,11 @@ class PackedSequences:
         ``seq_len`` as the longest. So every micro-batch of a run has the same shapes, and the sequences' log-probs
         are those of the unpadded row. With ``slot``, each example is padded to ``slot`` tokens instead (``length``
         must be ``slot`` times the examples): then the examples end at the same offsets in every micro-batch
-        (:attr:`group_ends`), so a captured step's loss head can take whole examples a chunk."""
+        (:attr:`group_ends`), so a captured step's loss head can take whole examples a chunk. Only a row packed
+        with every position through the head and no shared prefix (``pack(..., head="all")``) pads."""
         t = self.input_ids.shape[1]
+        if isinstance(self.documents, SharedPrefixes) or self.targets.numel() != t:
+            raise ValueError("only a row packed with head='all' and no shared prefixes pads to fixed shapes")
         if slot is None:
             pieces = [(0, t, length - t)]
             ends = self.group_ends if self.group_ends is None or t == length else (*self.group_ends, length)
@@ -316,7 +375,8 @@ class PackedSequences:
         room = self.count + (len(pieces) * -(-slot // seq_len) if slot else -(-length // seq_len))
         documents = Documents.from_positions(positions).padded(room, seq_len)
         return dataclasses.replace(self, input_ids=grow(self.input_ids, 0), position_ids=positions,
-                                   labels=grow(self.labels, IGNORE_INDEX), segment=grow(self.segment, 0),
+                                   head_rows=torch.arange(length), targets=grow(self.targets, IGNORE_INDEX),
+                                   segment=grow(self.segment, 0),
                                    completion=grow(self.completion, False), documents=documents, group_ends=ends)
 
     def flat(self) -> list[torch.Tensor]:
@@ -357,14 +417,18 @@ class PreferenceBatch:
                                    labels=None if self.labels is None else to_device(self.labels, device))
 
 
-def make_batch(examples: list[PreferenceExample], index: list[int]) -> PreferenceBatch:
+def make_batch(examples: list[PreferenceExample], index: list[int], share_prefixes: bool = False,
+               head: str = "all") -> PreferenceBatch:
+    """The micro-batch of ``examples[i]`` for ``i`` in ``index``, packed (:meth:`PackedSequences.pack`: a pair's
+    rejected sequence sharing its prefix with the chosen one when ``share_prefixes``; ``head`` which positions the
+    log-prob head takes, KTO's KL row its completions when not "all")."""
     chosen = [examples[i] for i in index]
     n_seq = len(chosen[0].sequences)
-    rows = PackedSequences.pack([s for e in chosen for s in e.sequences], group=n_seq)
+    rows = PackedSequences.pack([s for e in chosen for s in e.sequences], n_seq, share_prefixes, head)
     if chosen[0].label is None:
         return PreferenceBatch(rows, torch.tensor(index))
-    return PreferenceBatch(rows, torch.tensor(index), PackedSequences.pack([e.kl for e in chosen]),
-                           torch.tensor([e.label for e in chosen]))
+    kl = PackedSequences.pack([e.kl for e in chosen], head="all" if head == "all" else "completion")
+    return PreferenceBatch(rows, torch.tensor(index), kl, torch.tensor([e.label for e in chosen]))
 
 
 class ExampleStream:
