@@ -129,11 +129,15 @@ class SharedPrefixes:
         gather: (Ta,) int64, the token of the model's row at each attention position (a shared prefix's tokens
             appear once per sequence that holds it).
         scatter: (T,) int64, the attention position whose output each token takes (its first occurrence).
+        repeats: (R,) int64, the attention positions that are not a first occurrence; ``repeat_rows`` (R,) their
+            tokens. The gradients of the two moves read them (:meth:`to_attention`, :meth:`from_attention`).
     """
 
     documents: Documents
     gather: torch.Tensor
     scatter: torch.Tensor
+    repeats: torch.Tensor
+    repeat_rows: torch.Tensor
 
     @property
     def length(self) -> int:
@@ -142,8 +146,47 @@ class SharedPrefixes:
 
     def to(self, device: torch.device | str) -> SharedPrefixes:
         device = torch.device(device)
-        return SharedPrefixes(self.documents.to(device), to_device(self.gather, device),
-                              to_device(self.scatter, device))
+        return SharedPrefixes(self.documents.to(device), *(to_device(t, device) for t in (
+            self.gather, self.scatter, self.repeats, self.repeat_rows)))
+
+    def to_attention(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, T, C) rows of the model -> (1, Ta, C) rows of the attention row."""
+        return _ToAttentionRow.apply(x, self)
+
+    def from_attention(self, o: torch.Tensor) -> torch.Tensor:
+        """(1, Ta, C) attention outputs -> (1, T, C): each token's first occurrence's."""
+        return _FromAttentionRow.apply(o, self)
+
+
+class _ToAttentionRow(torch.autograd.Function):
+    """Forward: ``x.index_select(1, gather)``. Backward: each token's first occurrence's gradient, gathered, plus its
+    repeats' (an ``index_add`` over the repeats only), where ``index_select``'s own backward would zero a (T, C)
+    buffer and add every row into it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shared: SharedPrefixes) -> torch.Tensor:
+        ctx.shared = shared
+        return x.index_select(1, shared.gather)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        s = ctx.shared
+        return g.index_select(1, s.scatter).index_add_(1, s.repeat_rows, g.index_select(1, s.repeats)), None
+
+
+class _FromAttentionRow(torch.autograd.Function):
+    """Forward: ``o.index_select(1, scatter)``. Backward: the gradient gathered back to every attention position,
+    zero at the repeats (whose outputs nothing read)."""
+
+    @staticmethod
+    def forward(ctx, o: torch.Tensor, shared: SharedPrefixes) -> torch.Tensor:
+        ctx.shared = shared
+        return o.index_select(1, shared.scatter)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        s = ctx.shared
+        return g.index_select(1, s.gather).index_fill_(1, s.repeats, 0), None
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -166,8 +209,7 @@ class AttentionMask:
         document_ids: (B, S) int tensor, equal ids = same document, or :class:`Documents` (which also
             carries FlashAttention's variable-length bounds); None = one document per row. Or
             :class:`SharedPrefixes` (one row): then attention runs on its attention row of ``Ta`` tokens
-            (``seq_len`` becomes Ta; its documents are the mask's), gathered from the model's row by ``gather``
-            and scattered back by ``scatter``.
+            (``seq_len`` becomes Ta; its documents are the mask's; :attr:`shared` moves rows there and back).
         cache: per-window masks built on first use (dense bool (B, 1, S, S) or a FlexAttention BlockMask),
             and the variable-length bounds.
     """
@@ -175,15 +217,13 @@ class AttentionMask:
     seq_len: int
     document_ids: torch.Tensor | Documents | SharedPrefixes | None = None
     cache: dict = field(default_factory=dict)
-    #: :class:`SharedPrefixes`' indices, or None: attention runs on the model's row itself
-    gather: torch.Tensor | None = None
-    scatter: torch.Tensor | None = None
+    #: the :class:`SharedPrefixes` given as ``document_ids``, or None: attention runs on the model's row itself
+    shared: SharedPrefixes | None = None
 
     def __post_init__(self):
         if isinstance(self.document_ids, SharedPrefixes):
-            shared = self.document_ids
-            self.gather, self.scatter, self.seq_len = shared.gather, shared.scatter, shared.length
-            self.document_ids = shared.documents
+            self.shared, self.seq_len = self.document_ids, self.document_ids.length
+            self.document_ids = self.shared.documents
         if isinstance(self.document_ids, Documents):
             self.cache["varlen"] = self.document_ids
             self.document_ids = self.document_ids.ids

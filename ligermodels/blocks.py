@@ -159,7 +159,7 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: AttentionMask | None = None, cache: LayerKVCache | None = None) -> torch.Tensor:
         """(B, S, (Hq + 2*Hkv) * D) q/k/v projection output (rotated in place) -> (B, S, H). With shared prefixes
-        (``mask.gather``, :class:`ligermodels.attention.SharedPrefixes`) attention runs on the row of whole
+        (``mask.shared``, :class:`ligermodels.attention.SharedPrefixes`) attention runs on the row of whole
         sequences: q/k/v gathered into it, each token's output taken back from its first occurrence."""
         # reuse_grad: qkv's gradient reaches these ops only as the concatenation of q's, k's and v's (the split
         # below), a buffer nothing else reads, so their backward rotates it back in place.
@@ -169,11 +169,11 @@ class Attention(nn.Module):
                                           qn.eps, qn.offset, qn.casting, self.interleaved, reuse_grad=True)
         else:
             qkv = apply_rope_qkv_(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.interleaved, reuse_grad=True)
-        shared = mask is not None and mask.gather is not None
-        if shared:
+        shared = None if mask is None else mask.shared
+        if shared is not None:
             if cache is not None:
                 raise ValueError("attention with shared prefixes takes no KV cache (training rows only)")
-            qkv = qkv.index_select(1, mask.gather)
+            qkv = shared.to_attention(qkv)
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=2)
@@ -183,7 +183,7 @@ class Attention(nn.Module):
             o = causal_attention(q, k, v, mask, self.window, self.scale, self.dropout if self.training else 0.0,
                                  self.softcap)
         o = o.reshape(b, s, self.num_heads * self.head_dim)
-        return project(self.o, o.index_select(1, mask.scatter) if shared else o)
+        return project(self.o, o if shared is None else shared.from_attention(o))
 
 
 class MLP(nn.Module):

@@ -41,6 +41,7 @@ def test_a_shared_row_stores_each_pairs_common_prefix_once_and_attends_over_whol
     assert p.input_ids[0, shared.gather].tolist() == [t for s in seqs for t in s.ids]
     assert shared.documents.cu_seqlens.tolist() == [0, 4, 7, 9, 12]
     assert shared.scatter.tolist() == [0, 1, 2, 3, 6, 7, 8, 10, 11]  # each token's first occurrence
+    assert shared.repeats.tolist() == [4, 5, 9] and shared.repeat_rows.tolist() == [0, 1, 5]
     # the head: the prompt's last token (rows 1 and 5) predicts both completions' first tokens
     assert p.head_rows.tolist() == [1, 2, 1, 5, 5, 7]
     assert p.targets.tolist() == [3, 4, 5, 8, 9, 9]

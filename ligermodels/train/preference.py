@@ -318,10 +318,10 @@ class PackedSequences:
         else:
             own = gather == torch.arange(len(ids))  # a token's first occurrence: a row of the model
             row = torch.cumsum(own, 0) - 1  # the model's row of each first occurrence
-            scatter = own.nonzero().flatten()
+            scatter, repeats = own.nonzero().flatten(), (~own).nonzero().flatten()
             gather = row[gather]
             model_ids, model_pos, head_rows = ids[scatter], pos[scatter], gather[keep]
-            documents = SharedPrefixes(documents, gather, scatter)
+            documents = SharedPrefixes(documents, gather, scatter, repeats, gather[repeats])
         return cls(model_ids[None], model_pos[None], head_rows, targets[keep], segment[keep], completion[keep],
                    torch.tensor([float(s.completion_len) for s in sequences]),
                    torch.tensor([float(s.predicted_len) for s in sequences]), documents, group_ends)
