@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kernels.logprobs import sequence_sums
 from ligermodels.attention import Documents, document_ids_from_positions, to_device
+from ligermodels.config import DecoderConfig
 from ligermodels.lora import adapters_disabled
 from ligermodels.model import CausalLM
 from ligermodels.train.config import TrainConfig
@@ -212,7 +213,7 @@ class SFTTask:
         return {}
 
 
-def wants_router_aux(config: TrainConfig, model_config) -> bool:
+def wants_router_aux(config: TrainConfig, model_config: DecoderConfig) -> bool:
     """Whether a preference objective adds the policy's load-balancing loss (:meth:`PreferenceTask.router_aux`)."""
     m = model_config
     return bool(m.num_experts and m.router_aux_loss_coef and (config.objective in WITH_REFERENCE
@@ -230,7 +231,8 @@ class PreferenceTask:
     over the global batch's tokens), so any split over ranks and micro-batches takes the same step; with one
     micro-batch it is TRL's loss of that batch."""
 
-    def __init__(self, config: TrainConfig, examples: list, strategy: str, model_config=None):
+    def __init__(self, config: TrainConfig, examples: list, strategy: str,
+                 model_config: DecoderConfig | None = None):
         self.config, self.examples, self.strategy = config, examples, strategy
         #: --prompt-pass once applies: not under --cuda-graph (fixed shapes), nor when a load-balancing loss counts
         #: (it weighs each token of the policy's forward, a prompt once per sequence in TRL's)
