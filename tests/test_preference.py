@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+import safetensors.torch
 import torch
 
 import kernels.logprobs
@@ -364,6 +365,28 @@ def test_the_trainer_runs_each_objective_and_logs_trl_metric_names(tmp_path, obj
         assert all(m[name] is not None for m in metrics for name in (*names, "rewards/margins", "rewards/accuracies"))
     assert (out / "reference_logps.safetensors").exists() == (objective in ("dpo", "kto"))
     assert (out / "final" / "model.safetensors").exists()
+
+
+def test_dpo_with_each_prompt_once_takes_the_steps_of_each_prompt_twice(tmp_path):
+    """The trainer end to end (fp32, CPU): --prompt-pass once, the default, and twice give the same reference
+    log-probs, losses and metrics over three steps that move the weights."""
+    checkpoint = _tiny_checkpoint(tmp_path, "llama3")
+    data = _write(tmp_path / "data.jsonl", PAIRS * 2)
+    runs = {}
+    for mode in ("once", "twice"):
+        out = tmp_path / mode
+        res = _train(["--model", checkpoint, "--data", data, "--out", str(out), "--objective", "dpo", "--batch-size",
+                      "2", "--steps", "3", "--lr", "1e-2", "--save-every", "0", "--prompt-pass", mode])
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert ("each pair's prompt once" in res.stdout) == (mode == "once")
+        runs[mode] = _metrics(out), safetensors.torch.load_file(str(out / "reference_logps.safetensors"))[
+            "reference_logps"]
+    (once, ref_once), (twice, ref_twice) = runs["once"], runs["twice"]
+    assert rel_err(ref_once, ref_twice) <= 1e-6
+    assert abs(once[-1]["rewards/margins"]) > 1e-3  # the steps moved the policy away from the reference
+    for a, b in zip(once, twice, strict=True):
+        for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (a["step"], key, a[key], b[key])
 
 
 @pytest.mark.parametrize("device,bound", [
