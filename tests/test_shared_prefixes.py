@@ -92,10 +92,17 @@ def test_shared_prompts_give_the_whole_sequences_logprobs_and_gradients_in_float
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the bf16 attention kernels need CUDA")
 @pytest.mark.parametrize("head_dim", [64, 96])
-def test_shared_prompts_in_bf16_stay_within_rounding_of_whole_sequences_on_the_attention_kernels(head_dim, tmp_path):
+def test_shared_prompts_in_bf16_stay_within_rounding_of_whole_sequences_on_the_attention_kernels(head_dim, tmp_path,
+                                                                                                   monkeypatch):
     """bf16 on a GPU: the Triton document kernel (head dim 64) and FlashAttention's variable-length one (96) take
-    the gathered rows; log-probs and gradients within bf16 rounding of the whole sequences' (the prompt's work summed
-    once instead of twice)."""
+    the gathered rows (each call counted, so no other path stands in); log-probs and gradients within bf16 rounding
+    of the whole sequences' (the prompt's work summed once instead of twice)."""
+    import ligermodels.attention as attention
+
+    kernel = "document_attention" if head_dim == 64 else "flash_varlen_attention"
+    calls = []
+    real = getattr(attention, kernel)
+    monkeypatch.setattr(attention, kernel, lambda q, *a, **k: calls.append(q.shape[1]) or real(q, *a, **k))
     cfg = dict(vocab_size=96, hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256)
     make_hf_checkpoint(("LlamaConfig", cfg), str(tmp_path))
@@ -104,7 +111,10 @@ def test_shared_prompts_in_bf16_stay_within_rounding_of_whole_sequences_on_the_a
     weights = torch.randn(PackedSequences.pack(seqs, group=2, head="completion").targets.shape,
                           generator=torch.Generator().manual_seed(3)).to(DEVICE)
     ref, ref_grads = _logprobs_and_grads(model, PackedSequences.pack(seqs, group=2, head="completion"), weights)
-    out, grads = _logprobs_and_grads(model, PackedSequences.pack(seqs, 2, True, "completion"), weights)
+    shared = PackedSequences.pack(seqs, 2, True, "completion")
+    out, grads = _logprobs_and_grads(model, shared, weights)
+    whole_len = sum(len(s.ids) for s in seqs)  # every layer's call, both runs: attention on whole sequences
+    assert calls == [whole_len] * 4 and shared.input_ids.shape[1] < whole_len, calls
     assert rel_err(out, ref) <= 1e-2
     for name, g in ref_grads.items():
         assert rel_err(grads[name], g) <= 3e-2, (name, rel_err(grads[name], g))

@@ -253,25 +253,29 @@ class StepProfiler:
         ops = {e.id: e for e in events
                if e.device_type == torch.autograd.DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)}
         model_own = "|".join(pat for cat, pat in self.CATEGORIES if cat in ("attention", "matmul"))
-        comm, compute, owned = [], [], {}
+        comm, comm_launched, compute, owned = [], [], [], {}
+
+        def owner(e) -> str:  # walked only for the kernels the tables charge (not the GEMMs and attention)
+            return launch_owner(ops.get(getattr(e, "linked_correlation_id", 0)))
+
         for e in events:
             if not self.device_work(e):
                 continue
             span = (e.time_range.start, e.time_range.end)
-            owner = launch_owner(ops.get(getattr(e, "linked_correlation_id", 0)))
             if "nccl" in e.name.lower():
-                comm.append((*span, f"{self.collective_label(e.name)} <- {owner}"))
+                label = self.collective_label(e.name)
+                comm.append((*span, label))
+                comm_launched.append((*span, f"{label} <- {owner(e)}"))
                 continue
             compute.append(span)
             if not re.search(model_own, e.name, re.I):  # the GEMMs and attention: the layers' own work
-                key = (owner, e.name.split("(")[0].split("<")[0][:60])
+                key = (owner(e), e.name.split("(")[0].split("<")[0][:60])
                 owned[key] = owned.get(key, 0.0) + span[1] - span[0]
         n = len(self.steps)
         spans = [(a, b) for a, b, _ in comm]
         active = union_us(spans + compute) / n / 1e3
-        by_launch = sorted(exposed_by_label(comm, compute).items(), key=lambda kv: -kv[1])
-        by = sorted(exposed_by_label([(a, b, label.split(" <- ")[0]) for a, b, label in comm], compute).items(),
-                    key=lambda kv: -kv[1])
+        by_launch = sorted(exposed_by_label(comm_launched, compute).items(), key=lambda kv: -kv[1])
+        by = sorted(exposed_by_label(comm, compute).items(), key=lambda kv: -kv[1])
         return {"steps": list(self.steps), "wall_ms": round(wall_ms, 3), "gpu_active_ms": round(active, 3),
                 "gpu_idle_ms": round(wall_ms - active, 3), "nccl_ms": round(union_us(spans) / n / 1e3, 3),
                 "nccl_exposed_ms": round(exposed_us(spans, compute) / n / 1e3, 3),
