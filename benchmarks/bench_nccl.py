@@ -37,12 +37,13 @@ GEMM = (8192, 4096, 14336)
 OPS = ("all_gather_bf16", "reduce_scatter_fp32", "reduce_scatter_bf16")
 
 
-def child(params: int, gemm: tuple[int, int, int], out: str) -> None:
-    """One rank of one setting: time the collectives and the GEMM, alone and side by side; rank 0 writes ``out``."""
+def child(params: int, gemm: tuple[int, int, int], out: str, cpu: bool = False) -> None:
+    """One rank of one setting: time the collectives and the GEMM, alone and side by side; rank 0 writes ``out``.
+    ``cpu`` (``--tiny``): gloo on the CPU even where GPUs are (two ranks on one GPU cannot share it under NCCL)."""
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not cpu
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -126,6 +127,14 @@ def parse_setting(setting: str) -> dict[str, str]:
     return env
 
 
+def last_error(output: str) -> str:
+    """The line of a failed torchrun's output that says what went wrong: the last naming an error, else the last
+    that is not one of torchrun's rules of ``=`` signs."""
+    lines = [line.strip() for line in output.splitlines() if line.strip().strip("=")]
+    named = [line for line in lines if "Error" in line or "error" in line]
+    return (named or lines or [""])[-1]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2], help="GPUs per run (one torchrun each)")
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     gemm = (64, 64, 64) if args.tiny else GEMM
     if args.child:
-        child(int(args.child[0]), gemm, args.child[1])
+        child(int(args.child[0]), gemm, args.child[1], cpu=args.tiny)
         return
     try:
         settings = {s: parse_setting(s) for s in args.settings}
@@ -161,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             row = {"setting": setting, "env": extra}
             if res.returncode != 0 or not os.path.exists(out):
-                row["error"] = (res.stderr or res.stdout).strip().splitlines()[-1:] or [f"exit {res.returncode}"]
+                row["error"] = last_error(res.stderr or res.stdout) or f"exit {res.returncode}"
             else:
                 with open(out) as f:
                     row.update(json.load(f))

@@ -344,8 +344,17 @@ def test_nccl_bench_settings_are_nccl_variables_or_default():
             parse_setting(bad)
 
 
+def test_nccl_bench_names_a_failed_runs_error_line_not_torchruns_rule():
+    from benchmarks.bench_nccl import last_error
+
+    out = "[rank1]: Traceback\nRuntimeError: Duplicate GPU detected\n" + "=" * 60 + "\nroot cause: rank 1\n" + "=" * 60
+    assert last_error(out) == "RuntimeError: Duplicate GPU detected"
+    assert last_error("starting\nexit code 3\n" + "=" * 20) == "exit code 3" and last_error("") == ""
+
+
 def test_nccl_bench_tiny_run_times_each_collective_and_the_gemm_over_gloo(tmp_path):
-    """--tiny: two gloo ranks on the CPU time the three collectives and the GEMM; the row records its setting."""
+    """--tiny: two gloo ranks on the CPU (where a GPU is too) time the three collectives and the GEMM; the row
+    records its setting."""
     res = subprocess.run([sys.executable, "-m", "benchmarks.bench_nccl", "--tiny", "--out", str(tmp_path),
                           "--settings", "NCCL_PROTO=Simple"], capture_output=True, text=True, timeout=180,
                          env=common.child_env("cpu"))
