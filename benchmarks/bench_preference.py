@@ -53,7 +53,8 @@ from benchmarks.common import MODELS, RESULTS, SPECIALS, GPUClocks, environment,
 #: ours and the flags each adds (eager with each prompt once, the default; the step replayed from a CUDA graph,
 #: which runs each prompt twice; eager with each prompt twice, as TRL runs it), then TRL's variants
 OUR_FLAGS = {"ligermodels": [], "ligermodels-graph": ["--cuda-graph"],
-             "ligermodels-prompt-twice": ["--prompt-pass", "twice"]}
+             "ligermodels-prompt-twice": ["--prompt-pass", "twice"],
+             "ligermodels-graph-prompt-twice": ["--cuda-graph", "--prompt-pass", "twice"]}
 OURS = tuple(OUR_FLAGS)
 TRL_IMPLS = ("trl", "trl+liger", "trl+compile")
 IMPLS = (*OURS, *TRL_IMPLS)

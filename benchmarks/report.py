@@ -791,7 +791,8 @@ def _newest(prefix: str, table) -> str:
 # ------------------------------------------------------------------------------------------ preference tuning
 _PREFERENCE_IMPLS = {"ligermodels": "`python -m ligermodels.train --objective ...`",
                      "ligermodels-graph": "the same, `--cuda-graph`",
-                     "ligermodels-prompt-twice": "the same, `--prompt-pass twice`", "trl": "TRL",
+                     "ligermodels-prompt-twice": "the same, `--prompt-pass twice`",
+                     "ligermodels-graph-prompt-twice": "the same, `--cuda-graph --prompt-pass twice`", "trl": "TRL",
                      "trl+liger": "TRL, `use_liger_kernel=True`", "trl+compile": "TRL, `torch_compile=True`"}
 
 

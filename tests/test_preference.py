@@ -12,6 +12,7 @@ the CPU (the Triton path of the log-probs is checked against float64 in tests/te
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from ligermodels.train.checkpointing import load_reference_logps
 from ligermodels.train.config import TrainConfig, TrainError, parse_args
 from ligermodels.train.data import load_inputs
 from ligermodels.train.objectives import PreferenceTask
-from ligermodels.train.preference import make_batch
+from ligermodels.train.preference import head_row_count, shared_prefix_count
 from tests.test_chat import _checkpoint_dir
 from tests.test_train import ENV, ROOT, TIMEOUT
 from tests.utils import DEVICE, assert_triton_runs, rel_err
@@ -97,10 +98,14 @@ def _trl_trainer(kind: str, model, tokenizer, records, options: dict, out: str):
     return CPOTrainer(model=model, args=CPOConfig(**common), train_dataset=ds, processing_class=tokenizer)
 
 
-def _ours(checkpoint: str, data: str, options: dict, out: str, n: int):
+def _ours(checkpoint: str, data: str, options: dict, out: str, n: int, graph: bool = False):
+    """(task, model) on the CPU; ``graph``: the task as ``--cuda-graph`` makes it (its layout only: no capture)."""
     config = TrainConfig(model=checkpoint, data=data, out=out, batch_size=n, seq_len=128, dtype="fp32", device="cpu",
                          **options)
     inputs = load_inputs(config)
+    if graph:  # (a CPU config refuses the flag itself)
+        config = copy.copy(config)
+        object.__setattr__(config, "cuda_graph", True)
     task = PreferenceTask(config, inputs.examples, "tokens", inputs.config)
     model = CausalLM.from_hf(checkpoint, dtype=torch.float32)
     return task, model
@@ -182,26 +187,33 @@ def test_objective_matches_trl_loss_metrics_and_gradients(tmp_path, case, refere
         assert rel_err(ours_grads[name], g) <= 1e-4, (name, rel_err(ours_grads[name], g))
 
 
-@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "simpo", "kto"])
+@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "simpo", "kto", "dpo-prompt-twice", "orpo-prompt-twice"])
 def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed_one(tmp_path, case,
                                                                                        reference_kernels):
     """--cuda-graph's step (:meth:`PreferenceTask.graph_loss` on :meth:`graph_inputs`: rows padded to the longest
-    micro-batch the data makes, counts as device tensors) gives the eager step's loss, metric sums and gradients."""
+    micro-batch the data makes, counts as device tensors) gives the eager step's loss, metric sums and gradients.
+    Pairs with each prompt once pad the model's row, the attention row, the repeats and the head rows each to its
+    own fixed size (:class:`SharedRoom`); with each prompt twice, one row."""
     options, kind, _ = CASES[case]
     key = "completion" if kind == "kto" else "chosen"  # examples of different lengths
     records = [{**r, key: r[key] + " and so on" * i} for i, r in enumerate(UNPAIRED if kind == "kto" else PAIRS)]
-    task, model = _ours(_tiny_checkpoint(tmp_path, "llama3"), _write(tmp_path / "data.jsonl", records), options,
-                        str(tmp_path / "out"), 2)
+    task, model = _ours(_tiny_checkpoint(tmp_path, "llama3"), _write(tmp_path / "data.jsonl", records),
+                        options, str(tmp_path / "out"), 2, graph=True)
+    assert task.graph_shared == (kind in ("dpo", "orpo", "cpo") and "twice" not in case)
     if kind in ("dpo", "kto"):
         task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
     index = [2, 0] if kind != "kto" else [3, 0]
-    counts, batch = task.counts(index, 1, CPU), make_batch(task.examples, index)
+    counts, batch = task.counts(index, 1, CPU), task.make_batch(index)
     eager = task.forward_backward(model, batch, counts, 1, CPU)
     eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
     inputs = task.graph_inputs(batch, counts)
-    assert inputs[0].shape[1] == task.graph_room[0] > batch.rows.input_ids.shape[1]  # padded
+    room = task.graph_shared_room.tokens if task.graph_shared else task.graph_room[0]
+    assert inputs[0].shape[1] == room > batch.rows.input_ids.shape[1]  # padded
+    if task.graph_shared:
+        assert isinstance(batch.rows.documents, SharedPrefixes)
+        assert inputs[2].numel() == task.graph_shared_room.head > batch.rows.head_rows.numel()
     loss, stats = task.graph_loss(model, *inputs)
     loss.backward()
     assert stats.shape == eager.shape and rel_err(stats, eager) <= 1e-6, (stats, eager)
@@ -213,9 +225,15 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
     longest, shortest = max(range(len(lengths)), key=lengths.__getitem__), min(range(len(lengths)),
                                                                                 key=lengths.__getitem__)
     assert lengths[longest] > lengths[shortest]
-    task.graph_room = (lengths[longest] + lengths[shortest], task.graph_room[1] and 10_000)
-    assert task.graph_inputs(make_batch(task.examples, [longest, shortest]), counts) is not None
-    assert task.graph_inputs(make_batch(task.examples, [longest, longest]), counts) is None
+    if task.graph_shared:  # the attention row one filler position longer than the two, the model's row as much
+        shared = [shared_prefix_count(task.examples[i]) for i in (longest, shortest)]
+        whole = lengths[longest] + lengths[shortest] + 1
+        task.graph_shared_room = dataclasses.replace(task.graph_shared_room, attention=whole,
+                                                     tokens=whole - sum(shared))
+    else:
+        task.graph_room = (lengths[longest] + lengths[shortest], task.graph_room[1] and 10_000)
+    assert task.graph_inputs(task.make_batch([longest, shortest]), counts) is not None
+    assert task.graph_inputs(task.make_batch([longest, longest]), counts) is None
 
 
 @pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "kto"])
@@ -253,26 +271,34 @@ def test_the_head_taking_the_gradient_in_its_forward_takes_the_per_token_heads_s
         assert rel_err(fused_grads[n], g) <= 1e-5, (n, rel_err(fused_grads[n], g))
 
 
-@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo"])
+@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "dpo-prompt-twice", "orpo-prompt-twice"])
 def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_numbers(tmp_path, case, monkeypatch):
-    """--cuda-graph's inputs with each pair in a slot of its own (:attr:`PreferenceTask.graph_slot`: pairs of near
-    equal length): the step's loss head takes a pair a chunk at the slots' fixed ends, and the loss, metric sums and
-    gradients are the eager step's, on the device under test (the Triton kernels; on the CPU the interpreter)."""
+    """--cuda-graph's inputs with each pair in a slot of its own (:attr:`PreferenceTask.graph_slot`, or with each
+    prompt once the head rows' :attr:`SharedRoom.head_slot`: pairs of near equal length): the step's loss head takes
+    a pair a chunk at the slots' fixed ends, and the loss, metric sums and gradients are the eager step's, on the
+    device under test (the Triton kernels; on the CPU the interpreter)."""
     options, kind, _ = CASES[case]
     records = [{**r, "rejected": r["chosen"][::-1]} for r in PAIRS]  # each pair's two completions equally long
     checkpoint = _tiny_checkpoint(tmp_path, "llama3", heads=2)
-    task, model = _ours(checkpoint, _write(tmp_path / "data.jsonl", records), options, str(tmp_path / "out"), 3)
+    task, model = _ours(checkpoint, _write(tmp_path / "data.jsonl", records), options, str(tmp_path / "out"), 3,
+                        graph=True)
     model = model.to(DEVICE)
     assert_triton_runs(model.embed.weight)
     if kind == "dpo":
         task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
-    lengths = [sum(len(s.ids) for s in e.sequences) for e in task.examples]
-    assert task.graph_slot == 0  # these short pairs: rounding each to 16 tokens adds more than 1/32 of the row
-    task.graph_slot = -(-max(lengths) // 16) * 16  # (the benchmark's 2,050-token pairs take 2,064: 0.7%)
-    assert task.graph_room[0] == 3 * task.graph_slot
+    if task.graph_shared:
+        rows = [head_row_count(e, task.head) for e in task.examples]
+        assert task.graph_shared_room.head_slot == 0  # short pairs: rounding each to 16 rows adds more than 1/32
+        slot = -(-max(rows) // 16) * 16
+        task.graph_shared_room = dataclasses.replace(task.graph_shared_room, head_slot=slot, head=3 * slot)
+    else:
+        lengths = [sum(len(s.ids) for s in e.sequences) for e in task.examples]
+        assert task.graph_slot == 0  # these short pairs: rounding each to 16 tokens adds more than 1/32 of the row
+        task.graph_slot = slot = -(-max(lengths) // 16) * 16  # (the benchmark's 2,050-token pairs take 2,064: 0.7%)
+        assert task.graph_room[0] == 3 * task.graph_slot
     index = [2, 0, 1]
-    counts, batch = task.counts(index, 1, DEVICE), make_batch(task.examples, index)
-    monkeypatch.setattr(kernels.logprobs, "flce_chunk_tokens", lambda *_: task.graph_slot)  # a pair a chunk
+    counts, batch = task.counts(index, 1, DEVICE), task.make_batch(index)
+    monkeypatch.setattr(kernels.logprobs, "flce_chunk_tokens", lambda *_: slot)  # a pair a chunk
     chunks = []
     loop = kernels.logprobs._flce_loop
     monkeypatch.setattr(kernels.logprobs, "_flce_loop", lambda *a, **k: chunks.append(k["chunks"]) or loop(*a, **k))
@@ -282,7 +308,6 @@ def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_
     inputs = [t.to(DEVICE) for t in task.graph_inputs(batch, counts)]
     loss, stats = task.graph_loss(model, *inputs)
     loss.backward()
-    slot = task.graph_slot
     assert chunks[-1] == [(0, slot), (slot, 2 * slot), (2 * slot, 3 * slot)], chunks
     assert rel_err(stats, eager) <= 1e-5, (stats, eager)
     for n, p in model.named_parameters():
@@ -290,30 +315,37 @@ def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("objective, reference, layout", [("dpo", "precompute", "packed"), ("dpo", "model", "packed"),
-                                                          ("orpo", "none", "packed"), ("kto", "precompute", "packed"),
-                                                          ("dpo", "precompute", "slots"), ("orpo", "none", "slots")])
-def test_a_cuda_graph_preference_run_takes_the_eager_steps(tmp_path, objective, reference, layout):
+@pytest.mark.parametrize("objective, reference, layout, prompt_pass", [
+    ("dpo", "precompute", "packed", "twice"), ("dpo", "model", "packed", "twice"), ("orpo", "none", "packed", "twice"),
+    ("kto", "precompute", "packed", "once"), ("dpo", "precompute", "slots", "twice"),
+    ("orpo", "none", "slots", "twice"), ("dpo", "precompute", "packed", "once"), ("dpo", "model", "packed", "once"),
+    ("orpo", "none", "packed", "once"), ("dpo", "precompute", "slots", "once"), ("orpo", "none", "slots", "once")])
+def test_a_cuda_graph_preference_run_takes_the_eager_steps(tmp_path, objective, reference, layout, prompt_pass):
     """--cuda-graph with a preference objective (bf16, one GPU): the eager run's losses and metrics within bf16
     rounding (FlashAttention's backward accumulates with atomics), though every row is padded to the longest.
-    ``slots``: pairs of one length (256-token sequences), each pair in a slot of its own, and chunks of 512 tokens,
-    so the captured loss head takes a pair a chunk, its gradient in the forward."""
+    ``slots``: pairs of one length (256-token sequences), each pair in a slot of its own (with each prompt once, a
+    slot of head rows), and chunks that hold one slot, so the captured loss head takes a pair a chunk, its gradient
+    in the forward. KTO keeps every position under the graph whatever ``--prompt-pass`` says."""
     checkpoint = _tiny_checkpoint(tmp_path, "llama3")
     long_pairs = [{"prompt": p["prompt"], "chosen": " it is" * 150, "rejected": " no it" * 150} for p in PAIRS]
     records = long_pairs if layout == "slots" else UNPAIRED if objective == "kto" else PAIRS
     data = _write(tmp_path / "data.jsonl", records * 2)
-    env = {**ENV, "LIGERMODELS_FLCE_CHUNK": "512"} if layout == "slots" else ENV
+    chunk = "512" if prompt_pass == "twice" else "1024"
+    env = {**ENV, "LIGERMODELS_FLCE_CHUNK": chunk} if layout == "slots" else ENV
     runs = {}
     for name, extra in (("eager", []), ("graph", ["--cuda-graph"])):
         out = tmp_path / name
         ref = [] if reference == "none" else ["--reference", reference]
         res = subprocess.run([sys.executable, "-m", "ligermodels.train", "--model", checkpoint, "--data", data,
                               "--out", str(out), "--objective", objective, *ref, "--batch-size", "2", "--steps", "5",
-                              "--save-every", "0", "--dtype", "bf16", "--device", "cuda", "--lr", "1e-3", *extra],
+                              "--save-every", "0", "--dtype", "bf16", "--device", "cuda", "--lr", "1e-3",
+                              "--prompt-pass", prompt_pass, *extra],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
         assert res.returncode == 0, res.stderr[-3000:]
         if extra:
-            assert ("an example a slot of 512" in res.stdout) == (layout == "slots"), res.stdout[-2000:]
+            assert ("an example a slot of" in res.stdout) == (layout == "slots"), res.stdout[-2000:]
+            once = prompt_pass == "once" and objective != "kto"
+            assert ("in attention" in res.stdout) == once, res.stdout[-2000:]
         runs[name] = _metrics(out)
     for a, b in zip(runs["eager"], runs["graph"], strict=True):
         for key in ("loss", "grad_norm", "rewards/chosen", "logps/chosen"):

@@ -26,7 +26,15 @@ from tokenizers import Tokenizer, decoders, models, processors
 from ligermodels.train.config import TrainConfig
 from ligermodels.train.data import DataError, load_inputs
 from ligermodels.train.demo import ALPHABET
-from ligermodels.train.preference import PackedSequences, PreferenceExample, Sequence, make_batch
+from ligermodels.train.preference import (
+    PackedSequences,
+    PreferenceExample,
+    Sequence,
+    SharedRoom,
+    head_row_count,
+    make_batch,
+    shared_prefix_count,
+)
 from tests.test_chat import _checkpoint_dir
 
 transformers = pytest.importorskip("transformers")
@@ -429,6 +437,31 @@ def test_the_graph_gives_each_example_a_slot_when_that_costs_little_padding():
     assert even.graph_slot == 2064 and even.graph_room == (4 * 2064, 0)
     uneven = task([2050, 1000, 500, 800, 1200])
     assert uneven.graph_slot == 0 and uneven.graph_room == (-(-(2050 + 1200 + 1000 + 800) // 64) * 64, 0)
+
+
+def test_the_graph_with_prompts_once_sizes_each_row_for_any_distinct_examples():
+    """:meth:`SharedRoom.of`: the attention row holds the 4 longest pairs whole and one filler position (rounded up
+    to 64), the model's row that less the 4 smallest shared prompts, the repeats the 4 largest; head rows in slots
+    for pairs of one length (the benchmark's), else packed; and ORPO's head counts the chosen prompt."""
+    def pair(prompt: int, chosen: int, rejected: int) -> PreferenceExample:
+        p = list(range(1, prompt + 1))
+        return PreferenceExample((Sequence(p + [7] * chosen, prompt), Sequence(p + [8] * rejected, prompt)), "x")
+
+    even = [pair(256, 770, 768)] * 10
+    room = SharedRoom.of(even, 4, "completion")
+    assert room.attention == -(-(4 * 2050 + 1) // 64) * 64 and room.tokens == room.attention - 4 * 256
+    assert room.repeats == 4 * 256 and room.head_slot == -(-(770 + 768) // 16) * 16 and room.head == 4 * 1552
+    assert head_row_count(even[0], "first") == 1538 + 255 and shared_prefix_count(even[0]) == 256  # token 0: none
+    for head in ("all", "completion", "first"):
+        for e in (even[0], pair(1, 3, 2)):
+            assert head_row_count(e, head) == PackedSequences.pack(list(e.sequences), 2, True, head).head_rows.numel()
+    uneven = [pair(10, 5, 5), pair(300, 900, 10), pair(40, 60, 600), pair(5, 5, 5), pair(100, 100, 100)]
+    room = SharedRoom.of(uneven, 4, "completion")
+    assert room.head_slot == 0 and room.head == -(-(910 + 660 + 200 + 10) // 64) * 64
+    assert room.tokens == room.attention - (5 + 10 + 40 + 100) and room.repeats == 300 + 100 + 40 + 10
+    for index in ([1, 2, 4, 0], [3, 0, 2, 1]):  # any four distinct examples fit
+        rows = make_batch(uneven, index, share_prefixes=True, head="completion").rows
+        assert rows.padded_shared(room, 2048) is not None
 
 
 def test_a_batch_packs_each_pair_side_by_side_and_kto_its_kl_row():

@@ -4,13 +4,21 @@ attention variants (windows, soft-capping, two rotary tables, q/k norms, partial
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kernels._common import use_triton
 from ligermodels import AutoLigerModel
 from ligermodels.attention import SharedPrefixes
-from ligermodels.train.preference import PackedSequences, Sequence
+from ligermodels.train.preference import (
+    PackedSequences,
+    PreferenceExample,
+    Sequence,
+    SharedRoom,
+    head_row_count,
+)
 from tests.test_models import make_hf_checkpoint
 from tests.utils import DEVICE, rel_err
 
@@ -88,6 +96,48 @@ def test_shared_prompts_give_the_whole_sequences_logprobs_and_gradients_in_float
     bound = 1e-6 if use_triton(model.embed.weight) else 1e-7 if model.config.attn_softcap else 1e-10
     for name, g in ref_grads.items():
         assert rel_err(grads[name], g) <= bound, (name, rel_err(grads[name], g))
+
+
+@pytest.mark.parametrize("case", ["llama_gqa_untied", "gemma2_tied_softcap_sliding"])
+def test_a_shared_row_padded_to_fixed_sizes_keeps_its_logprobs_and_gradients_in_float64(case, tmp_path,
+                                                                                       reference_kernels):
+    """``--cuda-graph`` with each prompt once (:meth:`PackedSequences.padded_shared`, rebuilt from its flat tensors
+    as a captured step does): every real head row's log-prob and every gradient are the unpadded row's, though the
+    room adds filler tokens beyond the attention row's filler, padding repeats and head rows in slots, and the
+    filler's own head rows carry weights (they read nothing: log-prob 0, no gradient)."""
+    make_hf_checkpoint(case, str(tmp_path))
+    model = AutoLigerModel.from_hf(str(tmp_path), dtype=torch.float64, device=DEVICE)
+    seqs = _pairs(model.config.vocab_size)
+    examples = [PreferenceExample((seqs[i], seqs[i + 1]), "x") for i in range(0, len(seqs), 2)]
+    rows = PackedSequences.pack(seqs, group=2, share_prefixes=True, head="completion")
+    room = SharedRoom.of(examples, 3, "completion")
+    slot = room.head_slot or -(-max(head_row_count(e, "completion") for e in examples) // 16) * 16 + 16
+    room = dataclasses.replace(room, tokens=room.tokens + 7, repeats=room.repeats + 5, head_slot=slot, head=3 * slot)
+    padded = rows.padded_shared(room, seq_len=16)
+    flat = padded.flat()
+    assert [t.numel() for t in flat[:3]] == [room.tokens, room.tokens, room.head]
+    assert [t.numel() for t in flat[-4:]] == [room.attention, room.tokens, room.repeats, room.repeats]
+    rebuilt = PackedSequences.from_flat(flat, 16)
+    assert padded.group_ends == (slot, 2 * slot, 3 * slot)
+
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(rows.targets.shape, generator=g, dtype=torch.float64)
+    padded_weights = torch.randn(room.head, generator=g, dtype=torch.float64)  # the filler's too
+    real = torch.cat([torch.arange(start, start + b - a) for start, a, b in zip(
+        range(0, room.head, slot), (0, *rows.group_ends[:-1]), rows.group_ends, strict=True)])
+    padded_weights[real] = weights
+    ref, ref_grads = _logprobs_and_grads(model, rows, weights.to(DEVICE))
+    out, grads = _logprobs_and_grads(model, rebuilt, padded_weights.to(DEVICE))
+    triton = use_triton(model.embed.weight)  # on a GPU: fp32 inside the kernels, GEMMs of other sizes
+    assert rel_err(out[real.to(DEVICE)], ref) <= (1e-9 if triton else 1e-12)
+    filler = torch.ones(room.head, dtype=torch.bool)
+    filler[real] = False
+    assert filler.sum() > 0 and out[filler.to(DEVICE)].abs().max() == 0
+    assert set(grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) <= (1e-6 if triton else 1e-10), (name, rel_err(grads[name], g))
+    # a micro-batch longer than the room (an example twice across an epoch boundary) does not pad
+    assert rows.padded_shared(dataclasses.replace(room, attention=rows.documents.length), 16) is None
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the bf16 attention kernels need CUDA")

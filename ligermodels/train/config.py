@@ -87,8 +87,8 @@ class TrainConfig:
     prompt_pass: str = _flag("once", "dpo, orpo, simpo: run a pair's prompt (its chosen and rejected sequences' "
                                       "common prefix) through the model once, attention still seeing each "
                                       "sequence whole, and only the positions a loss reads through the head: the "
-                                      "same log-probs as twice (as TRL runs it), less work. --cuda-graph runs it "
-                                      "twice (its fixed shapes)", ("once", "twice"))
+                                      "same log-probs as twice (as TRL runs it), less work; under --cuda-graph "
+                                      "padded to fixed sizes", ("once", "twice"))
     seq_len: int | None = _flag(None, "tokens per packed row, at most the model's max_position_embeddings "
                                       "(default for a run: min(2048, that))")
     batch_size: int | None = _flag(None, "rows per rank per micro-batch (preference objectives: examples, each "

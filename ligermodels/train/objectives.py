@@ -35,6 +35,7 @@ from ligermodels.train.preference import (
     ExampleStream,
     PackedSequences,
     PreferenceBatch,
+    SharedRoom,
     make_batch,
     slot_ends,
 )
@@ -234,9 +235,9 @@ class PreferenceTask:
     def __init__(self, config: TrainConfig, examples: list, strategy: str,
                  model_config: DecoderConfig | None = None):
         self.config, self.examples, self.strategy = config, examples, strategy
-        #: --prompt-pass once applies: not under --cuda-graph (fixed shapes), nor when a load-balancing loss counts
-        #: (it weighs each token of the policy's forward, a prompt once per sequence in TRL's)
-        self.prompt_once = (config.prompt_pass == "once" and not config.cuda_graph
+        #: --prompt-pass once applies: not when a load-balancing loss counts (it weighs each token of the policy's
+        #: forward, a prompt once per sequence in TRL's), nor to KTO under --cuda-graph (whose rows keep every position)
+        self.prompt_once = (config.prompt_pass == "once" and not (config.cuda_graph and config.objective == "kto")
                             and not (model_config is not None and wants_router_aux(config, model_config)))
         self.stream = ExampleStream(len(examples), config.seed)
         self.names = PREFERENCE_METRICS[config.objective]
@@ -245,11 +246,18 @@ class PreferenceTask:
 
     def describe(self, global_rows: int) -> str:
         tokens = sum(len(s.ids) for e in self.examples for s in e.sequences)
-        slots = f", an example a slot of {self.graph_slot}" if self.config.cuda_graph and self.graph_slot else ""
-        graph = (f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} tokens{slots} "
-                 "(--cuda-graph)" if self.config.cuda_graph else "")
         pairs = self.prompt_once and self.config.objective != "kto"
         once = ", each pair's prompt once (--prompt-pass once)" if pairs else ""
+        graph = ""
+        if self.config.cuda_graph and pairs:
+            room = self.graph_shared_room
+            slots = f", an example a slot of {room.head_slot}" if room.head_slot else ""
+            graph = (f", each micro-batch padded to {room.tokens} tokens ({room.attention} in attention, "
+                     f"{room.head} head rows{slots}) (--cuda-graph)")
+        elif self.config.cuda_graph:
+            slots = f", an example a slot of {self.graph_slot}" if self.graph_slot else ""
+            graph = f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} tokens{slots} " \
+                    "(--cuda-graph)"
         return (f"{self.config.objective}: {len(self.examples)} examples, {tokens} tokens, global batch {global_rows} "
                 f"examples (sequences of at most {self.config.seq_len} tokens){once}{graph}")
 
@@ -263,11 +271,13 @@ class PreferenceTask:
 
     def make_batch(self, index: list[int]) -> PreferenceBatch:
         """The micro-batch of these examples (:func:`ligermodels.train.preference.make_batch`): with ``--prompt-pass
-        once`` (not under --cuda-graph, whose rows keep fixed shapes) each pair's prompt once and only the head
-        rows a loss reads."""
-        once = self.prompt_once
-        head = "all" if not once else "first" if self.config.objective == "orpo" else "completion"
-        return make_batch(self.examples, index, share_prefixes=once, head=head)
+        once`` each pair's prompt once and only the head rows a loss reads."""
+        return make_batch(self.examples, index, share_prefixes=self.prompt_once, head=self.head)
+
+    @property
+    def head(self) -> str:
+        """The positions the log-prob head takes (:data:`ligermodels.train.preference.HEAD_ROWS`)."""
+        return "all" if not self.prompt_once else "first" if self.config.objective == "orpo" else "completion"
 
     def counts(self, index: list[int], micro_batches: int, device: torch.device) -> dict:
         """What a step's sums are divided by, from all of its examples (``index``, over every rank)."""
@@ -394,6 +404,17 @@ class PreferenceTask:
     #: why a micro-batch runs eagerly under --cuda-graph (printed once)
     graph_misfit = "an example repeated across an epoch boundary makes a row longer than the captured one"
 
+    @property
+    def graph_shared(self) -> bool:
+        """Whether a captured step's rows share each pair's prompt (:attr:`graph_shared_room`), else keep every
+        position (:attr:`graph_room`)."""
+        return self.prompt_once and self.config.objective != "kto"
+
+    @functools.cached_property
+    def graph_shared_room(self) -> SharedRoom:
+        """The fixed sizes of a captured step's row with each pair's prompt once (:meth:`SharedRoom.of`)."""
+        return SharedRoom.of(self.examples, self.config.batch_size, self.head)
+
     @functools.cached_property
     def graph_slot(self) -> int:
         """Tokens each example takes in a captured step's row when it gets a slot of its own (the longest example,
@@ -420,10 +441,16 @@ class PreferenceTask:
         step's chosen-NLL token count; None when it is longer than that room."""
         rows, kl = self.graph_room
         seq_len, slot = self.config.seq_len, self.graph_slot or None
-        if (not slot and batch.rows.input_ids.shape[1] > rows) or (
+        if self.graph_shared:
+            padded = batch.rows.padded_shared(self.graph_shared_room, seq_len)
+            if padded is None:
+                return None
+            tensors = padded.flat()
+        elif (not slot and batch.rows.input_ids.shape[1] > rows) or (
                 batch.kl is not None and batch.kl.input_ids.shape[1] > kl):
             return None
-        tensors = batch.rows.padded(rows, seq_len, slot).flat()
+        else:
+            tensors = batch.rows.padded(rows, seq_len, slot).flat()
         if batch.kl is not None:
             tensors += [*batch.kl.padded(kl, seq_len).flat(), batch.labels]
         if self.reference_logps is not None:
@@ -433,10 +460,11 @@ class PreferenceTask:
 
     def graph_loss(self, model: CausalLM, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`loss` of :meth:`graph_inputs` on the device (one rank, one micro-batch a step)."""
-        c, n = self.config, len(PackedSequences.TENSORS) + 1
+        c, n = self.config, PackedSequences.flat_count(self.graph_shared)
         rows, rest = PackedSequences.from_flat(list(tensors[:n]), c.seq_len), tensors[n:]
-        if self.graph_slot:  # the examples' ends, fixed by their slots
-            rows = dataclasses.replace(rows, group_ends=slot_ends(self.graph_slot, c.batch_size))
+        slot = self.graph_shared_room.head_slot if self.graph_shared else self.graph_slot
+        if slot:  # the examples' ends, fixed by their slots
+            rows = dataclasses.replace(rows, group_ends=slot_ends(slot, c.batch_size))
         kl = labels = None
         if c.objective == "kto":
             kl, labels, rest = PackedSequences.from_flat(list(rest[:n]), c.seq_len), rest[n], rest[n + 1:]

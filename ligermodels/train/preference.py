@@ -28,7 +28,8 @@ batch_size`` onward. A micro-batch is one packed row without padding: each examp
 rejected, the next pair's chosen, ...; KTO: its completions, and a second row of the KL sequences), position ids
 restarting at each sequence, so attention stays within a sequence as it does for SFT documents. An example's tokens
 are contiguous, so the loss head takes whole examples a chunk (:func:`kernels.logprobs.fused_linear_logprob_loss`).
-Two savings keep every log-prob as it is (``--prompt-pass once``, the default, not under ``--cuda-graph``): a pair's
+Two savings keep every log-prob as it is (``--prompt-pass once``, the default; under ``--cuda-graph`` padded to fixed
+sizes, :meth:`PackedSequences.padded_shared`): a pair's
 rejected sequence takes its common prefix with the chosen one (the prompt) from it, so the prompt runs through the
 model's per-token work once while attention still sees both sequences whole
 (:class:`ligermodels.attention.SharedPrefixes`); and only the positions whose log-prob a loss reads go through the
@@ -250,10 +251,55 @@ def _shared_prefix_gather(sequences: list[Sequence], group: int, starts: list[in
     return gather if shared else None
 
 
-#: Which positions of a packed row go through the log-prob head (:meth:`PackedSequences.pack`): every one (the
-#: fixed shapes of a CUDA graph), those predicting a completion token (DPO, SimPO, KTO read nothing else), or those
+#: Which positions of a packed row go through the log-prob head (:meth:`PackedSequences.pack`): every one (each
+#: prompt twice under a CUDA graph), those predicting a completion token (DPO, SimPO, KTO read nothing else), or those
 #: and every predicting position of each example's first sequence (ORPO: the chosen sequence's NLL, prompt included).
 HEAD_ROWS = ("all", "completion", "first")
+
+
+def head_row_count(example: PreferenceExample, head: str) -> int:
+    """How many head rows :meth:`PackedSequences.pack` gives ``example``'s sequences with ``head``."""
+    seqs = example.sequences
+    if head == "all":
+        return sum(len(s.ids) for s in seqs)
+    first = len(seqs[0].ids) - 1 - seqs[0].predicted_len if head == "first" else 0  # its prompt's predictions
+    return first + sum(s.predicted_len for s in seqs)
+
+
+def shared_prefix_count(example: PreferenceExample) -> int:
+    """How many tokens of ``example``'s later sequences ``pack(..., share_prefixes=True)`` takes from its first."""
+    first = example.sequences[0].ids
+    return sum(_common_prefix(first, s.ids) for s in example.sequences[1:])
+
+
+@dataclass(frozen=True)
+class SharedRoom:
+    """The fixed sizes of a captured step's row whose pairs share their prompts (:meth:`PackedSequences.padded_shared`):
+    ``tokens`` of the model's row, ``attention`` positions of the row of whole sequences, ``repeats`` (positions
+    taken from an earlier sequence), and ``head`` rows, ``head_slot`` of them an example when not 0 (then every
+    example ends at the same head row in every micro-batch, and the loss head takes whole examples a chunk)."""
+
+    tokens: int
+    attention: int
+    repeats: int
+    head: int
+    head_slot: int = 0
+
+    @classmethod
+    def of(cls, examples: list[PreferenceExample], batch: int, head: str) -> SharedRoom:
+        """Sizes that hold any ``batch`` distinct examples: the attention row the ``batch`` longest examples' tokens
+        plus at least one (rounded up to 64), the model's row that less the ``batch`` smallest shared prefixes (so
+        that its filler is never shorter than the attention row's: :meth:`PackedSequences.padded_shared`), the
+        repeats the ``batch`` largest; head rows in slots of the longest example's (rounded up to 16) when that
+        makes them at most 1/32 more than the ``batch`` largest counts, else those counts rounded up to 64."""
+        top = lambda values: sum(sorted(values, reverse=True)[:batch])  # noqa: E731
+        shared = [shared_prefix_count(e) for e in examples]
+        rows = [head_row_count(e, head) for e in examples]
+        attention = -(-(top([sum(len(s.ids) for s in e.sequences) for e in examples]) + 1) // 64) * 64
+        slot = -(-max(rows) // 16) * 16
+        slots = slot * batch <= top(rows) * (1 + 1 / 32)
+        return cls(attention - sum(sorted(shared)[:batch]), attention, top(shared),
+                   slot * batch if slots else -(-top(rows) // 64) * 64, slot if slots else 0)
 
 
 @dataclass
@@ -379,15 +425,74 @@ class PackedSequences:
                                    segment=grow(self.segment, 0),
                                    completion=grow(self.completion, False), documents=documents, group_ends=ends)
 
+    def padded_shared(self, room: SharedRoom, seq_len: int) -> PackedSequences | None:
+        """The same sequences, their prefixes shared (or none shared: a row packed without), in the fixed sizes of
+        ``room``; None when they do not fit it (an example repeated across an epoch boundary).
+
+        The filler, which no sum reads and whose gradients are zero: model tokens (token 0, positions restarting
+        every ``seq_len``) after the row's, the first of them one-to-one with the attention row's filler positions
+        (documents of their own), the rest taking their outputs from the first filler position; repeats of that
+        position into the first filler token (adding its zero gradient); head rows reading the first filler token
+        with no target, in each example's slot or at the end. The log-probs, losses and gradients are those of
+        the unpadded row."""
+        shared, t = self.documents, self.input_ids.shape[1]
+        if not isinstance(shared, SharedPrefixes):  # no pair of this micro-batch shares a token
+            every = torch.arange(t)
+            shared = SharedPrefixes(shared, every, every, every[:0], every[:0])
+        ta, r, n = shared.length, shared.repeats.numel(), self.targets.numel()
+        fill, fill_attention = room.tokens - t, room.attention - ta
+        if room.head_slot:
+            starts = (0, *self.group_ends[:-1])
+            pieces = [(a, b, room.head_slot - (b - a)) for a, b in zip(starts, self.group_ends, strict=True)]
+            ends = slot_ends(room.head_slot, len(pieces))
+        else:
+            pieces, ends = [(0, n, room.head - n)], None
+        if (fill_attention < 1 or fill < fill_attention or r > room.repeats
+                or sum(b - a + pad for a, b, pad in pieces) != room.head or min(pad for *_, pad in pieces) < 0):
+            return None
+        k = torch.arange(fill)
+        input_ids = torch.cat([self.input_ids, self.input_ids.new_zeros(1, fill)], dim=1)
+        position_ids = torch.cat([self.position_ids, (k % seq_len)[None]], dim=1)
+        gather = torch.cat([shared.gather, t + k[:fill_attention]])
+        documents = Documents.from_positions(position_ids[:, gather]).padded(
+            self.count + -(-room.attention // seq_len), seq_len)
+        scatter = torch.cat([shared.scatter, ta + torch.where(k < fill_attention, k, 0)])
+        extra = room.repeats - r
+        shared = SharedPrefixes(documents, gather, scatter, torch.cat([shared.repeats, torch.full((extra,), ta)]),
+                                torch.cat([shared.repeat_rows, torch.full((extra,), t)]))
+
+        def grow(x: torch.Tensor, value) -> torch.Tensor:  # each piece, then its padding
+            return torch.cat([part for a, b, pad in pieces for part in (x[a:b], x.new_full((pad,), value))])
+
+        return dataclasses.replace(self, input_ids=input_ids, position_ids=position_ids,
+                                   head_rows=grow(self.head_rows, t), targets=grow(self.targets, IGNORE_INDEX),
+                                   segment=grow(self.segment, 0), completion=grow(self.completion, False),
+                                   documents=shared, group_ends=ends)
+
     def flat(self) -> list[torch.Tensor]:
-        """The tensors a captured step reads (:attr:`TENSORS`, then the bounds): :meth:`from_flat` rebuilds it."""
-        return [getattr(self, name) for name in self.TENSORS] + [self.documents.cu_seqlens]
+        """The tensors a captured step reads (:attr:`TENSORS`, then the bounds, then a shared prefix's moves):
+        :meth:`from_flat` rebuilds it."""
+        d = self.documents
+        moves = [d.documents.cu_seqlens, d.gather, d.scatter, d.repeats, d.repeat_rows] if isinstance(
+            d, SharedPrefixes) else [d.cu_seqlens]
+        return [getattr(self, name) for name in self.TENSORS] + moves
+
+    @classmethod
+    def flat_count(cls, shared: bool) -> int:
+        """How many tensors :meth:`flat` lists, for a row with shared prefixes or without."""
+        return len(cls.TENSORS) + (5 if shared else 1)
 
     @classmethod
     def from_flat(cls, tensors: list[torch.Tensor], max_len: int) -> PackedSequences:
-        *fields, cu_seqlens = tensors
-        kw = dict(zip(cls.TENSORS, fields, strict=True))
-        return cls(**kw, documents=Documents(document_ids_from_positions(kw["position_ids"]), cu_seqlens, max_len))
+        """The row of :meth:`flat`'s tensors (on the device, inside a capture: no host sync), its documents' ids found
+        from the positions of the row attention sees."""
+        kw = dict(zip(cls.TENSORS, tensors, strict=False))
+        cu_seqlens, *moves = tensors[len(cls.TENSORS):]
+        pos = kw["position_ids"]
+        if not moves:
+            return cls(**kw, documents=Documents(document_ids_from_positions(pos), cu_seqlens, max_len))
+        attention = Documents(document_ids_from_positions(pos[:, moves[0]]), cu_seqlens, max_len)
+        return cls(**kw, documents=SharedPrefixes(attention, *moves))
 
 
 def slot_ends(slot: int, examples: int) -> tuple[int, ...]:
