@@ -263,6 +263,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--profile", action="store_true", help="ours: ligermodels.train --profile (steps 6-7, left out "
                    "of the median); the table under results/profiles/")
+    p.add_argument("--profile-stacks", default="auto", choices=("auto", "on", "off"),
+                   help="ours: ligermodels.train --profile-stacks (off: the host's own pace, the launch sites unnamed)")
     p.add_argument("--gpu-clocks", action="store_true", help="sample the GPU's SM clock, power and power capping "
                    "during each run (nvidia-smi; benchmarks.common.GPUClocks)")
     p.add_argument("--shrink", action="store_true", help="a tiny shape on the CPU (tests only; no timing claims)")

@@ -1314,14 +1314,18 @@ def test_idle_time_is_charged_to_the_op_that_launched_the_work_after_it():
                                                                          49.0, 1)]
 
 
-def test_profile_writes_the_step_budget_and_its_numbers(checkpoint, data, workdir):
+@pytest.mark.parametrize("stacks", ["auto", "off"])
+def test_profile_writes_the_step_budget_and_its_numbers(checkpoint, data, workdir, stacks):
     """--profile on the CPU: profile.txt with the category table, profile.json with the per-step totals (no device
-    work there, so no idle attribution and no memory part)."""
-    out = workdir / "profiled"
-    res = _train([*_flags(checkpoint, data, out), "--steps", "8", "--save-every", "0", "--profile"])
+    work there, so no idle attribution and no memory part). One rank records Python stacks unless
+    ``--profile-stacks off``."""
+    out = workdir / f"profiled-{stacks}"
+    res = _train([*_flags(checkpoint, data, out), "--steps", "8", "--save-every", "0", "--profile",
+                  "--profile-stacks", stacks])
     assert res.returncode == 0, res.stderr[-3000:]
     text = (out / "profile.txt").read_text()
     assert "steps 6-7" in text and "Top 30 host ops" in text
+    assert ("recording Python stacks slows the host" in text) == (stacks == "auto")
     numbers = json.loads((out / "profile.json").read_text())
     assert numbers["steps"] == [6, 7] and numbers["wall_ms"] > 0 and numbers["idle_by_launch_site"] == []
     assert "memory_at_peak" not in numbers

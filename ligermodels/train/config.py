@@ -147,6 +147,10 @@ class TrainConfig:
                                "metrics.jsonl is always written")
     profile: bool = _flag(False, "profile two steps after the first five with torch.profiler: OUT/profile.txt and "
                                  "OUT/profile.json (rank 0)")
+    profile_stacks: str = _flag("auto", "--profile: record Python stacks (they name the host waits and the launch "
+                                        "sites of the GPU's idle gaps, but slow the host, so that a host-bound step "
+                                        "reads slower than it runs); auto: on one rank only",
+                                ("auto", "on", "off"))
     cuda_graph: bool = _flag(False, "capture the training step (forward, backward, clipping, AdamW) once as a CUDA "
                                     "graph and replay it, so the GPU never waits for the host: one CUDA rank, "
                                     "--grad-accum 1, bf16; masked attention (documents, windows) through "

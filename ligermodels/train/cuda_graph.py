@@ -186,14 +186,14 @@ class GraphedStep:
     a Qwen2-1.5B step (batch 4 x 2048, H100) left the GPU idle 39 ms of 193 (benchmarks/results/profiles).
 
     The capture fixes the shapes; the task (:class:`~ligermodels.train.objectives.SFTTask` or
-    :class:`~ligermodels.train.objectives.PreferenceTask`) makes every micro-batch alike in its ``graph_inputs``:
-    SFT pads the documents' bounds to ``--graph-documents`` sequences per row (a batch with more runs eagerly:
-    :meth:`inputs` gives None); a preference objective pads each packed row to the longest that distinct examples of
-    the data make, with documents that no sum reads (with each pair's prompt once, the model's row, the attention row,
-    the repeats and the head rows each to its own size: ``ligermodels.train.preference.SharedRoom``; a longer
-    micro-batch, an example repeated across an epoch boundary, runs eagerly). Its ``graph_loss`` is the eager step's loss from the captured
-    buffers, with the step's stats (loss and metric sums) beside it. Each param group's learning rate lives in a
-    device tensor that every call fills from the schedule's float. The first call captures (three warm-up steps at
+    :class:`~ligermodels.train.objectives.PreferenceTask`) makes every micro-batch alike in its ``graph_inputs``: SFT
+    pads the documents' bounds to ``--graph-documents`` sequences per row (a batch with more runs eagerly:
+    :meth:`inputs` gives None); a preference objective pads each packed row to the longest that distinct examples of the
+    data make, with documents that no sum reads (with each pair's prompt once, the model's row, the attention row, the
+    repeats and the head rows each to its own size: ``ligermodels.train.preference.SharedRoom``; a longer micro-batch,
+    an example repeated across an epoch boundary, runs eagerly). Its ``graph_loss`` is the eager step's loss from the
+    captured buffers, with the step's stats (loss and metric sums) beside it. Each param group's learning rate lives in
+    a device tensor that every call fills from the schedule's float. The first call captures (three warm-up steps at
     learning rate 0 first, which leave the weights and the optimiser as they were), then replays: every step is the
     eager step's arithmetic."""
 

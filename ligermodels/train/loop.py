@@ -168,7 +168,7 @@ def _run(config: TrainConfig, rank: int, world: int, device: torch.device) -> st
     # -- the loop
     max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
     profiler = StepProfiler(config.profile, config.steps, memory_trace=world == 1 and config.ac == "none",
-                            stacks=world == 1)
+                            stacks=config.profile_stacks == "on" or (config.profile_stacks == "auto" and world == 1))
     # The loop's only CPU tensor work is cutting rows (gathers of a few thousand ids). With intra-op
     # parallelism, OpenMP workers woke and spun for each: 39 ms of a 190 ms step went to them on an H100
     # host (16 cores), taken from the thread that launches the kernels. One thread does it in 0.2 ms.

@@ -170,11 +170,12 @@ class StepProfiler:
     autograd Function's ``apply`` return NULL without an exception ("corrupted double-linked list"), and the
     process aborted at the first profiled step; without the allocator trace the same runs profile.
 
-    Python stacks (for the host-wait and idle-gap tables) are recorded only with ``stacks``, which the trainer
-    gives a single process: recording them slows each rank's host by a different amount, and under FSDP2 a rank
-    then waits for the others in its collectives, which reads as exposed communication. On 2 H200s at 8 layers of
-    Llama-3.1-8B's shape the profiled steps took 273 ms against 252 ms unprofiled, with 25.5 ms of exposed
-    all-gather (benchmarks/results/scale-NVIDIA_H200-2026-11-28-x4l8-vocab.json, the rows' ``profile``)."""
+    Python stacks (for the host-wait and idle-gap tables) are recorded only with ``stacks``, which the trainer gives a
+    single process unless ``--profile-stacks`` says otherwise: recording them slows each rank's host by a different
+    amount, and under FSDP2 a rank then waits for the others in its collectives, which reads as exposed communication.
+    On 2 H200s at 8 layers of Llama-3.1-8B's shape the profiled steps took 273 ms against 252 ms unprofiled, with 25.5
+    ms of exposed all-gather (benchmarks/results/scale-NVIDIA_H200-2026-11-28-x4l8-vocab.json, the rows'
+    ``profile``)."""
 
     #: Kernel-name patterns -> category, first match wins.
     CATEGORIES = (("attention", r"flash|fmha|attention|_attn|sdpa|flex"),  # before matmul: FlashAttention's
@@ -325,8 +326,9 @@ class StepProfiler:
                  "# side by side, such as NCCL's beside a GEMM's, count twice: the timeline below counts them once)",
                  *(("# (recording Python stacks slows the host: the GPU's idle time here is an upper bound; compare "
                     "the", "# timeline's active time with the unprofiled steps' time in metrics.jsonl)") if self.stacks
-                   else ("# (several ranks: no Python stacks recorded, so that the ranks keep pace with each other; "
-                         "the", "# host-wait callers and the idle gaps' launch sites are not named)")), "",
+                   else ("# (no Python stacks recorded (--profile-stacks, off by default on several ranks, so that "
+                         "they", "# keep pace): the host-wait callers and the idle gaps' launch sites are not named)")),
+                 "",
                  f"{'category':32s} {'ms/step':>9s} {'% step':>7s}"]
         for cat, ms in sorted(per_cat.items(), key=lambda kv: -kv[1]):
             lines.append(f"{cat:32s} {ms:9.2f} {100 * ms / wall_ms:6.1f}%")
