@@ -271,7 +271,7 @@ def test_the_head_taking_the_gradient_in_its_forward_takes_the_per_token_heads_s
         assert rel_err(fused_grads[n], g) <= 1e-5, (n, rel_err(fused_grads[n], g))
 
 
-@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "dpo-prompt-twice", "orpo-prompt-twice"])
+@pytest.mark.parametrize("case", ["dpo-sigmoid", "orpo", "orpo-prompt-twice"])
 def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_numbers(tmp_path, case, monkeypatch):
     """--cuda-graph's inputs with each pair in a slot of its own (:attr:`PreferenceTask.graph_slot`, or with each
     prompt once the head rows' :attr:`SharedRoom.head_slot`: pairs of near equal length): the step's loss head takes
