@@ -251,9 +251,10 @@ def _shared_prefix_gather(sequences: list[Sequence], group: int, starts: list[in
     return gather if shared else None
 
 
-#: Which positions of a packed row go through the log-prob head (:meth:`PackedSequences.pack`): every one (each
-#: prompt twice under a CUDA graph), those predicting a completion token (DPO, SimPO, KTO read nothing else), or those
-#: and every predicting position of each example's first sequence (ORPO: the chosen sequence's NLL, prompt included).
+#: Which positions of a packed row go through the log-prob head (:meth:`PackedSequences.pack`): every one
+#: (``--prompt-pass twice``, and KTO under a CUDA graph), those predicting a completion token (DPO, SimPO, KTO read
+#: nothing else), or those and every predicting position of each example's first sequence (ORPO: the chosen
+#: sequence's NLL, prompt included).
 HEAD_ROWS = ("all", "completion", "first")
 
 
