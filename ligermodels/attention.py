@@ -151,42 +151,34 @@ class SharedPrefixes:
 
     def to_attention(self, x: torch.Tensor) -> torch.Tensor:
         """(1, T, C) rows of the model -> (1, Ta, C) rows of the attention row."""
-        return _ToAttentionRow.apply(x, self)
+        return _MoveRows.apply(x, self, True)
 
     def from_attention(self, o: torch.Tensor) -> torch.Tensor:
         """(1, Ta, C) attention outputs -> (1, T, C): each token's first occurrence's."""
-        return _FromAttentionRow.apply(o, self)
+        return _MoveRows.apply(o, self, False)
 
 
-class _ToAttentionRow(torch.autograd.Function):
-    """Forward: ``x.index_select(1, gather)``. Backward: each token's first occurrence's gradient, gathered, plus its
-    repeats' (an ``index_add`` over the repeats only), where ``index_select``'s own backward would zero a (T, C)
-    buffer and add every row into it."""
+class _MoveRows(torch.autograd.Function):
+    """The two moves of :class:`SharedPrefixes`, each an ``index_select`` along dim 1 whose backward reads the
+    repeats instead of zeroing a buffer and adding every row into it (``index_select``'s own backward).
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, shared: SharedPrefixes) -> torch.Tensor:
-        ctx.shared = shared
-        return x.index_select(1, shared.gather)
+    To the attention row (``gather``): a token's gradient is its first occurrence's (gathered by ``scatter``) plus
+    its repeats' (an ``index_add`` over the repeats only). From it (``scatter``): the gradient gathered back to
+    every attention position, zero at the repeats (whose outputs nothing read)."""
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        s = ctx.shared
-        return g.index_select(1, s.scatter).index_add_(1, s.repeat_rows, g.index_select(1, s.repeats)), None
-
-
-class _FromAttentionRow(torch.autograd.Function):
-    """Forward: ``o.index_select(1, scatter)``. Backward: the gradient gathered back to every attention position,
-    zero at the repeats (whose outputs nothing read)."""
-
-    @staticmethod
-    def forward(ctx, o: torch.Tensor, shared: SharedPrefixes) -> torch.Tensor:
-        ctx.shared = shared
-        return o.index_select(1, shared.scatter)
+    def forward(ctx, x: torch.Tensor, shared: SharedPrefixes, to_attention: bool) -> torch.Tensor:
+        ctx.shared, ctx.to_attention = shared, to_attention
+        return x.index_select(1, shared.gather if to_attention else shared.scatter)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         s = ctx.shared
-        return g.index_select(1, s.gather).index_fill_(1, s.repeats, 0), None
+        if ctx.to_attention:
+            dx = g.index_select(1, s.scatter).index_add_(1, s.repeat_rows, g.index_select(1, s.repeats))
+        else:
+            dx = g.index_select(1, s.gather).index_fill_(1, s.repeats, 0)
+        return dx, None, None
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -199,7 +199,7 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
     records = [{**r, key: r[key] + " and so on" * i} for i, r in enumerate(UNPAIRED if kind == "kto" else PAIRS)]
     task, model = _ours(_tiny_checkpoint(tmp_path, "llama3"), _write(tmp_path / "data.jsonl", records),
                         options, str(tmp_path / "out"), 2, graph=True)
-    assert task.graph_shared == (kind in ("dpo", "orpo", "cpo") and "twice" not in case)
+    assert task.shares_prompts == (kind in ("dpo", "orpo", "cpo") and "twice" not in case)
     if kind in ("dpo", "kto"):
         task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
     index = [2, 0] if kind != "kto" else [3, 0]
@@ -209,9 +209,9 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
     model.zero_grad(set_to_none=True)
 
     inputs = task.graph_inputs(batch, counts)
-    room = task.graph_shared_room.tokens if task.graph_shared else task.graph_room[0]
+    room = task.graph_shared_room.tokens if task.shares_prompts else task.graph_room[0]
     assert inputs[0].shape[1] == room > batch.rows.input_ids.shape[1]  # padded
-    if task.graph_shared:
+    if task.shares_prompts:
         assert isinstance(batch.rows.documents, SharedPrefixes)
         assert inputs[2].numel() == task.graph_shared_room.head > batch.rows.head_rows.numel()
     loss, stats = task.graph_loss(model, *inputs)
@@ -225,7 +225,7 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
     longest, shortest = max(range(len(lengths)), key=lengths.__getitem__), min(range(len(lengths)),
                                                                                 key=lengths.__getitem__)
     assert lengths[longest] > lengths[shortest]
-    if task.graph_shared:  # the attention row one filler position longer than the two, the model's row as much
+    if task.shares_prompts:  # the attention row one filler position longer than the two, the model's row as much
         shared = [shared_prefix_count(task.examples[i]) for i in (longest, shortest)]
         whole = lengths[longest] + lengths[shortest] + 1
         task.graph_shared_room = dataclasses.replace(task.graph_shared_room, attention=whole,
@@ -286,7 +286,7 @@ def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_
     assert_triton_runs(model.embed.weight)
     if kind == "dpo":
         task.reference_logps = -10 * torch.rand(len(task.examples), 2, generator=torch.Generator().manual_seed(0))
-    if task.graph_shared:
+    if task.shares_prompts:
         rows = [head_row_count(e, task.head) for e in task.examples]
         assert task.graph_shared_room.head_slot == 0  # short pairs: rounding each to 16 rows adds more than 1/32
         slot = -(-max(rows) // 16) * 16

@@ -246,10 +246,9 @@ class PreferenceTask:
 
     def describe(self, global_rows: int) -> str:
         tokens = sum(len(s.ids) for e in self.examples for s in e.sequences)
-        pairs = self.prompt_once and self.config.objective != "kto"
-        once = ", each pair's prompt once (--prompt-pass once)" if pairs else ""
+        once = ", each pair's prompt once (--prompt-pass once)" if self.shares_prompts else ""
         graph = ""
-        if self.config.cuda_graph and pairs:
+        if self.config.cuda_graph and self.shares_prompts:
             room = self.graph_shared_room
             slots = f", an example a slot of {room.head_slot}" if room.head_slot else ""
             graph = (f", each micro-batch padded to {room.tokens} tokens ({room.attention} in attention, "
@@ -273,6 +272,12 @@ class PreferenceTask:
         """The micro-batch of these examples (:func:`ligermodels.train.preference.make_batch`): with ``--prompt-pass
         once`` each pair's prompt once and only the head rows a loss reads."""
         return make_batch(self.examples, index, share_prefixes=self.prompt_once, head=self.head)
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether each pair's rows store its prompt once (a paired objective under --prompt-pass once); under
+        --cuda-graph, padded to :attr:`graph_shared_room`, else to :attr:`graph_room`."""
+        return self.prompt_once and self.config.objective != "kto"
 
     @property
     def head(self) -> str:
@@ -404,11 +409,6 @@ class PreferenceTask:
     #: why a micro-batch runs eagerly under --cuda-graph (printed once)
     graph_misfit = "an example repeated across an epoch boundary makes a row longer than the captured one"
 
-    @property
-    def graph_shared(self) -> bool:
-        """Whether a captured step's rows share each pair's prompt (:attr:`graph_shared_room`), else keep every
-        position (:attr:`graph_room`)."""
-        return self.prompt_once and self.config.objective != "kto"
 
     @functools.cached_property
     def graph_shared_room(self) -> SharedRoom:
@@ -439,20 +439,20 @@ class PreferenceTask:
         """A micro-batch as a captured step's host inputs (pinned): its rows padded to :meth:`graph_room` (each example
         to its slot, when :attr:`graph_slot`; and KTO's KL rows and labels), the stored reference log-probs, the
         step's chosen-NLL token count; None when it is longer than that room."""
-        rows, kl = self.graph_room
-        seq_len, slot = self.config.seq_len, self.graph_slot or None
-        if self.graph_shared:
+        seq_len = self.config.seq_len
+        if self.shares_prompts:
             padded = batch.rows.padded_shared(self.graph_shared_room, seq_len)
             if padded is None:
                 return None
             tensors = padded.flat()
-        elif (not slot and batch.rows.input_ids.shape[1] > rows) or (
-                batch.kl is not None and batch.kl.input_ids.shape[1] > kl):
-            return None
         else:
+            (rows, kl), slot = self.graph_room, self.graph_slot or None
+            if (not slot and batch.rows.input_ids.shape[1] > rows) or (
+                    batch.kl is not None and batch.kl.input_ids.shape[1] > kl):
+                return None
             tensors = batch.rows.padded(rows, seq_len, slot).flat()
         if batch.kl is not None:
-            tensors += [*batch.kl.padded(kl, seq_len).flat(), batch.labels]
+            tensors += [*batch.kl.padded(self.graph_room[1], seq_len).flat(), batch.labels]
         if self.reference_logps is not None:
             tensors.append(self.reference_logps[batch.index])
         tensors.append(torch.tensor(float(counts["nll_tokens"])))
@@ -460,9 +460,9 @@ class PreferenceTask:
 
     def graph_loss(self, model: CausalLM, *tensors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`loss` of :meth:`graph_inputs` on the device (one rank, one micro-batch a step)."""
-        c, n = self.config, PackedSequences.flat_count(self.graph_shared)
+        c, n = self.config, PackedSequences.flat_count(self.shares_prompts)
         rows, rest = PackedSequences.from_flat(list(tensors[:n]), c.seq_len), tensors[n:]
-        slot = self.graph_shared_room.head_slot if self.graph_shared else self.graph_slot
+        slot = self.graph_shared_room.head_slot if self.shares_prompts else self.graph_slot
         if slot:  # the examples' ends, fixed by their slots
             rows = dataclasses.replace(rows, group_ends=slot_ends(slot, c.batch_size))
         kl = labels = None
