@@ -153,6 +153,7 @@ def trl_worker(args) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter())
+            print(f"TRL step {len(times)} done at {times[-1] - start:.1f} s", file=sys.stderr, flush=True)
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs and "loss" in logs:
@@ -293,8 +294,11 @@ def main(argv=None) -> None:
         with GPUClocks() if args.gpu_clocks else contextlib.nullcontext() as clocks:
             try:
                 row = run_ours(args, impl, model_dir, data) if impl in OURS else run_trl(args, impl, model_dir, data)
-            except subprocess.TimeoutExpired:
-                row = {"error": f"did not finish {args.steps} steps within --timeout {args.timeout:g} s"}
+            except subprocess.TimeoutExpired as e:  # with the child's last line: how far it got
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+                last = (err.strip().splitlines() or [""])[-1]
+                row = {"error": f"did not finish {args.steps} steps within --timeout {args.timeout:g} s"
+                       + (f" (its last line: {last})" if last else "")}
         if clocks is not None:
             row["gpu_clocks"] = clocks.summary
         row = {"impl": impl, "model": args.model, "objective": args.objective, "reference": args.reference,

@@ -343,8 +343,9 @@ def test_a_cuda_graph_preference_run_takes_the_eager_steps(tmp_path, objective, 
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
         assert res.returncode == 0, res.stderr[-3000:]
         if extra:
-            assert ("an example a slot of" in res.stdout) == (layout == "slots"), res.stdout[-2000:]
             once = prompt_pass == "once" and objective != "kto"
+            if layout == "slots" or not once:  # packed head rows take slots too where those cost <= 1/32 more
+                assert ("an example a slot of" in res.stdout) == (layout == "slots"), res.stdout[-2000:]
             assert ("in attention" in res.stdout) == once, res.stdout[-2000:]
         runs[name] = _metrics(out)
     for a, b in zip(runs["eager"], runs["graph"], strict=True):
