@@ -65,3 +65,20 @@ def test_lora_rows_run_ours_on_the_base_with_the_adapter_flags_and_compare_among
     rows = [{**base, "impl": "ligermodels", "tokens_per_s": 100.0, "peak_mem_gb": 7.0},
             {**base, "impl": "trl", "lora_rank": 16, "tokens_per_s": 50.0, "peak_mem_gb": 12.0}]
     assert checks(rows)["m/dpo/model/full"] == {}  # the full-training row has no TRL row of its own setting
+
+
+def test_a_timed_out_run_is_an_error_row_naming_the_childs_last_line(tmp_path, monkeypatch):
+    """A run past --timeout writes an error row that says how far it got (the TRL worker prints each step's time)."""
+    import subprocess
+
+    import benchmarks.bench_preference as bench
+
+    def slow(*_):
+        raise subprocess.TimeoutExpired("worker", 5, stderr=b"compiling\nTRL step 1 done at 67.3 s\n")
+
+    monkeypatch.setattr(bench, "run_trl", slow)
+    results = tmp_path / "results"
+    main(["--out", str(tmp_path), "--shrink", "--impls", "trl+compile", "--steps", "2", "--warmup", "1",
+          "--timeout", "5", "--results", str(results)])
+    (row,) = json.loads(next(results.iterdir()).read_text())["rows"]
+    assert row["error"] == "did not finish 2 steps within --timeout 5 s (its last line: TRL step 1 done at 67.3 s)"
