@@ -36,7 +36,9 @@ from ligermodels.train.preference import (
     PackedSequences,
     PreferenceBatch,
     SharedRoom,
+    example_slot,
     make_batch,
+    packed_room,
     slot_ends,
 )
 
@@ -248,15 +250,16 @@ class PreferenceTask:
         tokens = sum(len(s.ids) for e in self.examples for s in e.sequences)
         once = ", each pair's prompt once (--prompt-pass once)" if self.shares_prompts else ""
         graph = ""
-        if self.config.cuda_graph and self.shares_prompts:
-            room = self.graph_shared_room
-            slots = f", an example a slot of {room.head_slot}" if room.head_slot else ""
-            graph = (f", each micro-batch padded to {room.tokens} tokens ({room.attention} in attention, "
-                     f"{room.head} head rows{slots}) (--cuda-graph)")
-        elif self.config.cuda_graph:
-            slots = f", an example a slot of {self.graph_slot}" if self.graph_slot else ""
-            graph = f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} tokens{slots} " \
-                    "(--cuda-graph)"
+        if self.config.cuda_graph:
+            slot = self.graph_example_slot
+            slots = f", an example a slot of {slot}" if slot else ""
+            if self.shares_prompts:
+                room = self.graph_shared_room
+                graph = (f", each micro-batch padded to {room.tokens} tokens ({room.attention} in attention, "
+                         f"{room.head} head rows{slots}) (--cuda-graph)")
+            else:
+                graph = (f", each micro-batch padded to {' + '.join(str(n) for n in self.graph_room if n)} "
+                         f"tokens{slots} (--cuda-graph)")
         return (f"{self.config.objective}: {len(self.examples)} examples, {tokens} tokens, global batch {global_rows} "
                 f"examples (sequences of at most {self.config.seq_len} tokens){once}{graph}")
 
@@ -409,7 +412,6 @@ class PreferenceTask:
     #: why a micro-batch runs eagerly under --cuda-graph (printed once)
     graph_misfit = "an example repeated across an epoch boundary makes a row longer than the captured one"
 
-
     @functools.cached_property
     def graph_shared_room(self) -> SharedRoom:
         """The fixed sizes of a captured step's row with each pair's prompt once (:meth:`SharedRoom.of`)."""
@@ -421,9 +423,13 @@ class PreferenceTask:
         rounded up to 16), so that the examples end at fixed offsets and the loss head takes whole examples a chunk;
         0 when slots would make the row more than 1/32 longer than packing the ``--batch-size`` longest examples
         (examples of very different lengths), whose rows then take the per-token head."""
-        lengths = [sum(len(s.ids) for s in e.sequences) for e in self.examples]
-        slot, b = -(-max(lengths) // 16) * 16, self.config.batch_size
-        return slot if slot * b <= sum(sorted(lengths, reverse=True)[:b]) * (1 + 1 / 32) else 0
+        return example_slot([sum(len(s.ids) for s in e.sequences) for e in self.examples], self.config.batch_size)
+
+    @property
+    def graph_example_slot(self) -> int:
+        """What each example's slot holds in a captured step (head rows with each pair's prompt once, else tokens);
+        0 when the examples pack."""
+        return self.graph_shared_room.head_slot if self.shares_prompts else self.graph_slot
 
     @functools.cached_property
     def graph_room(self) -> tuple[int, int]:
@@ -431,9 +437,8 @@ class PreferenceTask:
         (:attr:`graph_slot`), or the ``--batch-size`` longest examples' tokens rounded up to 64. A packed micro-batch
         that straddles an epoch boundary may hold one example twice and need more: it runs eagerly."""
         b = self.config.batch_size
-        room = lambda lengths: -(-sum(sorted(lengths, reverse=True)[:b]) // 64) * 64  # noqa: E731
-        rows = self.graph_slot * b or room([sum(len(s.ids) for s in e.sequences) for e in self.examples])
-        return rows, (room([len(e.kl.ids) for e in self.examples]) if self.examples[0].kl is not None else 0)
+        rows = self.graph_slot * b or packed_room([sum(len(s.ids) for s in e.sequences) for e in self.examples], b)
+        return rows, (packed_room([len(e.kl.ids) for e in self.examples], b) if self.examples[0].kl is not None else 0)
 
     def graph_inputs(self, batch: PreferenceBatch, counts: dict) -> list[torch.Tensor] | None:
         """A micro-batch as a captured step's host inputs (pinned): its rows padded to :meth:`graph_room` (each example
@@ -462,9 +467,8 @@ class PreferenceTask:
         """:meth:`loss` of :meth:`graph_inputs` on the device (one rank, one micro-batch a step)."""
         c, n = self.config, PackedSequences.flat_count(self.shares_prompts)
         rows, rest = PackedSequences.from_flat(list(tensors[:n]), c.seq_len), tensors[n:]
-        slot = self.graph_shared_room.head_slot if self.shares_prompts else self.graph_slot
-        if slot:  # the examples' ends, fixed by their slots
-            rows = dataclasses.replace(rows, group_ends=slot_ends(slot, c.batch_size))
+        if self.graph_example_slot:  # the examples' ends, fixed by their slots
+            rows = dataclasses.replace(rows, group_ends=slot_ends(self.graph_example_slot, c.batch_size))
         kl = labels = None
         if c.objective == "kto":
             kl, labels, rest = PackedSequences.from_flat(list(rest[:n]), c.seq_len), rest[n], rest[n + 1:]

@@ -273,6 +273,20 @@ def shared_prefix_count(example: PreferenceExample) -> int:
     return sum(_common_prefix(first, s.ids) for s in example.sequences[1:])
 
 
+def packed_room(counts: list[int], batch: int, extra: int = 0) -> int:
+    """Room for any ``batch`` distinct examples packed end to end: the ``batch`` largest ``counts`` together, plus
+    ``extra``, rounded up to 64."""
+    return -(-(sum(sorted(counts, reverse=True)[:batch]) + extra) // 64) * 64
+
+
+def example_slot(counts: list[int], batch: int) -> int:
+    """The slot each example gets in a fixed-size row (the largest count, rounded up to 16), so that the examples end
+    at the same offsets in every micro-batch; 0 when ``batch`` slots would be more than 1/32 larger than the ``batch``
+    largest counts together (examples of very different lengths, which then pack)."""
+    slot = -(-max(counts) // 16) * 16
+    return slot if slot * batch <= sum(sorted(counts, reverse=True)[:batch]) * (1 + 1 / 32) else 0
+
+
 @dataclass(frozen=True)
 class SharedRoom:
     """The fixed sizes of a captured step's row whose pairs share their prompts (:meth:`PackedSequences.padded_shared`):
@@ -293,14 +307,12 @@ class SharedRoom:
         that its filler is never shorter than the attention row's: :meth:`PackedSequences.padded_shared`), the
         repeats the ``batch`` largest; head rows in slots of the longest example's (rounded up to 16) when that
         makes them at most 1/32 more than the ``batch`` largest counts, else those counts rounded up to 64."""
-        top = lambda values: sum(sorted(values, reverse=True)[:batch])  # noqa: E731
         shared = [shared_prefix_count(e) for e in examples]
         rows = [head_row_count(e, head) for e in examples]
-        attention = -(-(top([sum(len(s.ids) for s in e.sequences) for e in examples]) + 1) // 64) * 64
-        slot = -(-max(rows) // 16) * 16
-        slots = slot * batch <= top(rows) * (1 + 1 / 32)
-        return cls(attention - sum(sorted(shared)[:batch]), attention, top(shared),
-                   slot * batch if slots else -(-top(rows) // 64) * 64, slot if slots else 0)
+        attention = packed_room([sum(len(s.ids) for s in e.sequences) for e in examples], batch, extra=1)
+        slot = example_slot(rows, batch)
+        return cls(attention - sum(sorted(shared)[:batch]), attention, sum(sorted(shared, reverse=True)[:batch]),
+                   slot * batch or packed_room(rows, batch), slot)
 
 
 @dataclass
