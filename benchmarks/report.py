@@ -830,12 +830,11 @@ def preference_table(d: dict) -> str:
                   f"{sampled['sm_clock_mhz_max']:,.0f} MHz maximum; in brackets, the share of those samples held "
                   f"down by the software power cap ({sampled['power_limit_w']:.0f} W on the "
                   f"{d['gpu'].removeprefix('NVIDIA ')}).", ""]
+    targets = [f"- {setting}, {name}: {c['ratio']} ({'holds' if c['holds'] else 'does not hold'}"
+               + (f"; fastest {c['fastest']}" if "fastest" in c else "") + ")"
+               for setting, checks in sorted(d["checks"].items()) for name, c in checks.items()]
     lines += ["Targets (ours / the fastest TRL variant run, at least 1.3; ours / TRL + Liger-Kernel's memory, at most "
-              "0.7), per setting:", ""]
-    for setting, checks in sorted(d["checks"].items()):
-        for name, c in checks.items():
-            lines.append(f"- {setting}, {name}: {c['ratio']} ({'holds' if c['holds'] else 'does not hold'}"
-                         + (f"; fastest {c['fastest']}" if "fastest" in c else "") + ")")
+              "0.7), per setting:", "", *(targets or ["- none: no TRL run finished beside ours here"])]
     lines += ["", "Sources:", "", f"- `{d['_file']}`, commit and command per row:"]
     for r in d["rows"]:
         lines.append(f"  - {r['impl']}, {r['objective']}, {r['reference']}, ac {r['ac']}: `{r['command']}` at "
