@@ -360,11 +360,19 @@ NORM_CASES = [  # (batch, seq, q_heads, kv_heads, head_dim, rotary_dim)
 ]
 
 
-@pytest.mark.parametrize("case", NORM_CASES, ids=lambda c: "x".join(map(str, c)))
-@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)], ids=["qwen3", "gemma3"])
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("reuse", [False, True], ids=["new_grad", "reuse_grad"])
+#: (gemma3 norm, interleaved, bf16, reuse_grad) settings each shape runs: every pair of the four switches' values
+#: appears (a pairwise design: 6 rows, not all 16), and the last row is the persistent backward's (whole-head
+#: rotate-half with reuse_grad) in fp32.
+NORM_SWITCHES = [(0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0), (0, 0, 0, 1)]
+
+
+@pytest.mark.parametrize("case,casting,offset,interleaved,dtype,reuse", [
+    pytest.param(case, *(("gemma", 1.0) if gemma else ("llama", 0.0)), bool(inter),
+                 torch.bfloat16 if bf16 else torch.float32, bool(reuse),
+                 id="-".join(("x".join(map(str, case)), ("qwen3", "gemma3")[gemma],
+                              ("rotate_half", "interleaved")[inter], ("fp32", "bf16")[bf16],
+                              ("new_grad", "reuse_grad")[reuse])))
+    for case in NORM_CASES for gemma, inter, bf16, reuse in NORM_SWITCHES])
 def test_qk_norm_rope_qkv_inplace_matches_float64(case, casting, offset, interleaved, dtype, reuse):
     """The fused in-place q/k head RMSNorm + RoPE on a packed qkv: values, the qkv gradient and both weight
     gradients against float64 (norm then transformers' rotation); v and its gradient pass unchanged. With

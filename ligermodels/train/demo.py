@@ -152,7 +152,7 @@ def print_completions(model: CausalLM, tokenizer: Tokenizer, bos: int | None, eo
 
 # ---------------------------------------------------------------------------------------- the preference stage
 #: The preference stage's own settings, fixed: a short fp32 run (seconds on two CPU cores).
-PREFERENCE_DEMO = dict(steps=60, batch_size=32, lr=3e-5, warmup_steps=5, lr_schedule="constant", save_every=30,
+PREFERENCE_DEMO = dict(steps=90, batch_size=32, lr=3e-5, warmup_steps=5, lr_schedule="constant", save_every=30,
                        log_every=10, dtype="fp32")
 #: Distinct additions of the corpus that the preference examples are made of.
 PREFERENCE_PROMPTS = 512
