@@ -94,12 +94,40 @@ def environment() -> dict:
         pass
     if torch.cuda.is_available():
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    env["host_cpu"] = host_cpu()
     settings = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))}
     if settings:
         env["nccl_env"] = settings
     env["command"] = " ".join(["python", "-m", module, *sys.argv[1:]])
     env["commit"] = os.environ.get("LIGERMODELS_COMMIT") or _git_commit()
     return env
+
+
+@functools.cache
+def host_cpu() -> dict:
+    """The host CPU: ``/proc/cpuinfo``'s model name and the logical CPUs; on a GPU also ``launch_us``, what one small
+    launch costs it (the host time of 200 one-element in-place adds, no synchronisation among them: the median of
+    5 rounds, per add). An eager step of many small launches runs at its host's pace: one GPU model ran the same
+    eager step 25% slower on one machine than on another, where a CUDA graph ran level (docs/preference.md)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    out = {"cpu": model, "cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        x = torch.zeros(1, device="cuda")
+        rounds = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                x.add_(1)
+            rounds.append((time.perf_counter() - t0) / 200 * 1e6)
+        torch.cuda.synchronize()
+        out["launch_us"] = round(statistics.median(rounds[1:]), 2)  # the first round warms the path up
+    return out
 
 
 def _git_commit() -> str:

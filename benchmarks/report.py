@@ -73,6 +73,10 @@ def _commit(c: str | None) -> str:
 
 def _versions(d: dict) -> str:
     extra = f", transformers {d['transformers']}" if "transformers" in d else ""
+    h = d.get("host_cpu")
+    if h:  # files written before the host was recorded have none
+        launch = f", {h['launch_us']:.1f} us a small launch" if "launch_us" in h else ""
+        extra += f"; host {h['cpu']}, {h['cpus']} CPUs{launch}"
     return f"torch {d['torch']}, triton {d['triton']}{extra}"
 
 

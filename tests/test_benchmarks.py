@@ -237,6 +237,18 @@ def _results_files() -> list[str]:
                   if os.path.isfile(f) and not f.endswith(".md"))
 
 
+def test_results_record_the_host_cpu_and_the_report_names_it():
+    """Every results file records its host CPU (and, on a GPU, what a small launch costs it): an eager step of many
+    small launches runs at its host's pace. The report's platform line names it; files without it read as before."""
+    host = common.environment()["host_cpu"]
+    assert isinstance(host["cpu"], str) and host["cpu"] and host["cpus"] == os.cpu_count()
+    assert ("launch_us" in host) == torch.cuda.is_available()
+    d = {"torch": "2.11.0", "triton": "3.6.0"}
+    assert report._versions(d) == "torch 2.11.0, triton 3.6.0"
+    assert report._versions({**d, "host_cpu": {"cpu": "Xeon", "cpus": 16, "launch_us": 6.25}}) == (
+        "torch 2.11.0, triton 3.6.0; host Xeon, 16 CPUs, 6.2 us a small launch")
+
+
 def test_every_results_file_records_its_command_and_commit():
     """The report prints each table's command and commit from the file itself."""
     for path in _results_files():
