@@ -221,7 +221,7 @@ def test_a_padded_micro_batch_takes_the_loss_metrics_and_gradients_of_the_packed
         assert rel_err(p.grad, eager_grads[n]) <= 1e-5, n
 
     # the room holds distinct examples; one repeated across an epoch boundary may not fit: that step runs eagerly
-    lengths = [sum(len(s.ids) for s in e.sequences) for e in task.examples]
+    lengths = [e.tokens for e in task.examples]
     longest, shortest = max(range(len(lengths)), key=lengths.__getitem__), min(range(len(lengths)),
                                                                                 key=lengths.__getitem__)
     assert lengths[longest] > lengths[shortest]
@@ -292,7 +292,7 @@ def test_a_captured_step_in_slots_takes_whole_pairs_a_chunk_and_the_eager_steps_
         slot = -(-max(rows) // 16) * 16
         task.graph_shared_room = dataclasses.replace(task.graph_shared_room, head_slot=slot, head=3 * slot)
     else:
-        lengths = [sum(len(s.ids) for s in e.sequences) for e in task.examples]
+        lengths = [e.tokens for e in task.examples]
         assert task.graph_slot == 0  # these short pairs: rounding each to 16 tokens adds more than 1/32 of the row
         task.graph_slot = slot = -(-max(lengths) // 16) * 16  # (the benchmark's 2,050-token pairs take 2,064: 0.7%)
         assert task.graph_room[0] == 3 * task.graph_slot

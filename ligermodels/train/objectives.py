@@ -247,7 +247,7 @@ class PreferenceTask:
         self.reference_model: CausalLM | None = None
 
     def describe(self, global_rows: int) -> str:
-        tokens = sum(len(s.ids) for e in self.examples for s in e.sequences)
+        tokens = sum(e.tokens for e in self.examples)
         once = ", each pair's prompt once (--prompt-pass once)" if self.shares_prompts else ""
         graph = ""
         if self.config.cuda_graph:
@@ -294,7 +294,7 @@ class PreferenceTask:
         orpo = self.config.objective == "orpo"  # ORPO's NLL covers the prompt too; SimPO's the completion
         counts = {"pairs": len(step), "examples": len(step), "micro_batches": micro_batches,
                   "desirable": sum(bool(e.label) for e in step), "undesirable": sum(e.label is False for e in step),
-                  "tokens": sum(len(s.ids) for e in step for s in e.sequences),
+                  "tokens": sum(e.tokens for e in step),
                   "nll_tokens": sum((len(s.ids) - 1) if orpo else s.predicted_len for s in first)}
         counts["n_tokens"] = to_device(torch.tensor(float(counts["tokens"])), device)  # metrics.jsonl's "tokens"
         return counts
@@ -423,7 +423,7 @@ class PreferenceTask:
         rounded up to 16), so that the examples end at fixed offsets and the loss head takes whole examples a chunk;
         0 when slots would make the row more than 1/32 longer than packing the ``--batch-size`` longest examples
         (examples of very different lengths), whose rows then take the per-token head."""
-        return example_slot([sum(len(s.ids) for s in e.sequences) for e in self.examples], self.config.batch_size)
+        return example_slot([e.tokens for e in self.examples], self.config.batch_size)
 
     @property
     def graph_example_slot(self) -> int:
@@ -437,7 +437,7 @@ class PreferenceTask:
         (:attr:`graph_slot`), or the ``--batch-size`` longest examples' tokens rounded up to 64. A packed micro-batch
         that straddles an epoch boundary may hold one example twice and need more: it runs eagerly."""
         b = self.config.batch_size
-        rows = self.graph_slot * b or packed_room([sum(len(s.ids) for s in e.sequences) for e in self.examples], b)
+        rows = self.graph_slot * b or packed_room([e.tokens for e in self.examples], b)
         return rows, (packed_room([len(e.kl.ids) for e in self.examples], b) if self.examples[0].kl is not None else 0)
 
     def graph_inputs(self, batch: PreferenceBatch, counts: dict) -> list[torch.Tensor] | None:

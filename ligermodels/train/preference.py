@@ -80,6 +80,11 @@ class PreferenceExample:
     label: bool | None = None
     kl: Sequence | None = None
 
+    @property
+    def tokens(self) -> int:
+        """Its sequences' tokens, each whole (what packing it takes with each prompt twice)."""
+        return sum(len(s.ids) for s in self.sequences)
+
 
 @dataclass
 class Record:
@@ -262,7 +267,7 @@ def head_row_count(example: PreferenceExample, head: str) -> int:
     """How many head rows :meth:`PackedSequences.pack` gives ``example``'s sequences with ``head``."""
     seqs = example.sequences
     if head == "all":
-        return sum(len(s.ids) for s in seqs)
+        return example.tokens
     first = len(seqs[0].ids) - 1 - seqs[0].predicted_len if head == "first" else 0  # its prompt's predictions
     return first + sum(s.predicted_len for s in seqs)
 
@@ -273,10 +278,15 @@ def shared_prefix_count(example: PreferenceExample) -> int:
     return sum(_common_prefix(first, s.ids) for s in example.sequences[1:])
 
 
+def largest_sum(counts: list[int], batch: int) -> int:
+    """The ``batch`` largest ``counts`` together: what any ``batch`` distinct examples need at most."""
+    return sum(sorted(counts, reverse=True)[:batch])
+
+
 def packed_room(counts: list[int], batch: int, extra: int = 0) -> int:
-    """Room for any ``batch`` distinct examples packed end to end: the ``batch`` largest ``counts`` together, plus
-    ``extra``, rounded up to 64."""
-    return -(-(sum(sorted(counts, reverse=True)[:batch]) + extra) // 64) * 64
+    """Room for any ``batch`` distinct examples packed end to end: :func:`largest_sum` plus ``extra``, rounded up
+    to 64."""
+    return -(-(largest_sum(counts, batch) + extra) // 64) * 64
 
 
 def example_slot(counts: list[int], batch: int) -> int:
@@ -284,7 +294,7 @@ def example_slot(counts: list[int], batch: int) -> int:
     at the same offsets in every micro-batch; 0 when ``batch`` slots would be more than 1/32 larger than the ``batch``
     largest counts together (examples of very different lengths, which then pack)."""
     slot = -(-max(counts) // 16) * 16
-    return slot if slot * batch <= sum(sorted(counts, reverse=True)[:batch]) * (1 + 1 / 32) else 0
+    return slot if slot * batch <= largest_sum(counts, batch) * (1 + 1 / 32) else 0
 
 
 @dataclass(frozen=True)
@@ -309,9 +319,9 @@ class SharedRoom:
         makes them at most 1/32 more than the ``batch`` largest counts, else those counts rounded up to 64."""
         shared = [shared_prefix_count(e) for e in examples]
         rows = [head_row_count(e, head) for e in examples]
-        attention = packed_room([sum(len(s.ids) for s in e.sequences) for e in examples], batch, extra=1)
+        attention = packed_room([e.tokens for e in examples], batch, extra=1)
         slot = example_slot(rows, batch)
-        return cls(attention - sum(sorted(shared)[:batch]), attention, sum(sorted(shared, reverse=True)[:batch]),
+        return cls(attention - sum(sorted(shared)[:batch]), attention, largest_sum(shared, batch),
                    slot * batch or packed_room(rows, batch), slot)
 
 
