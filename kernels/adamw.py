@@ -6,11 +6,14 @@ torch's fused AdamW ran at about 70% of the H100's copy bandwidth in our trainin
 of a 238 ms Gemma-2B step; benchmarks/results/profiles); an elementwise Triton kernel over large
 tensors runs near the copy bandwidth (the GLU kernels: 94-100%).
 
-Multi-tensor apply: ``step`` launches ``_adamw_multi_kernel`` once per group of small tensors that share
-a param group, device, dtypes and master-or-not, not ``_adamw_kernel`` once per tensor. Why: a launch
+Multi-tensor apply: ``step`` launches ``_adamw_multi_kernel`` once per group of tensors that share a param
+group, device, dtypes, master-or-not and alignment, not ``_adamw_kernel`` once per tensor. Why: a launch
 costs the host tens of microseconds (Python and Triton's launcher), and a LoRA step's 224 small
-adapter tensors kept the GPU idle for 10-20 ms of host time a step. Tensors above
-``MULTI_TENSOR_MAX_NUMEL`` keep their own launch, whose loads are vectorized (see there). The kernel finds its tensors
+adapter tensors kept the GPU idle for 10-20 ms of host time a step; a full fine-tuning step of Qwen2-1.5B
+has 113 tensors above a million elements. Tensors whose addresses and sizes are multiples of 16 bytes (what
+PyTorch's allocator gives whole tensors) share a launch whose loads are vectorized (``ALIGNED``: the kernel is
+told so); a tensor above ``MULTI_TENSOR_MAX_NUMEL`` that is not aligned keeps its own ``_adamw_kernel``
+launch, where Triton finds out what alignment it has. The kernel finds its tensors
 through int64 address tables: those of the parameters, moments, masters and step counts are kept on
 the device between steps (rebuilt when an address changes), the gradients' are copied each step
 from pinned memory. Both kernels share the arithmetic (``_adamw_block``), so the results are the same
@@ -48,6 +51,8 @@ tensors without ``TRITON_INTERPRET=1``), ``step`` is torch's own AdamW, the refe
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable
 
@@ -59,12 +64,14 @@ from kernels._common import use_triton
 
 #: Elements per program and warps: 16 elements a thread (as the GLU kernels).
 _BLOCK = 4096
-#: Tensors up to this many elements share a launch of ``_adamw_multi_kernel``; a larger one gets its own
-#: ``_adamw_kernel`` launch. Triton specializes that kernel's pointer and size arguments on 16-byte alignment,
-#: so its loads and stores are vectorized; the multi-tensor kernel reads its addresses from a table and cannot
-#: know them aligned. For every tensor in it, Qwen2-1.5B's fp32-master step took 48.7 ms against 13.9 (H100,
-#: benchmarks/results/profiles); at this size a tensor's update (24 MB moved, ~10 us) outweighs its launch.
+#: A tensor above this many elements that is not 16-byte aligned (``_aligned``) gets its own ``_adamw_kernel``
+#: launch. Triton specializes that kernel's pointer and size arguments on their alignment; the multi-tensor
+#: kernel reads its addresses from a table and knows them aligned only when told (``ALIGNED``). Without
+#: vectorized loads, Qwen2-1.5B's fp32-master step took 48.7 ms against 13.9 (H100, benchmarks/results/profiles);
+#: at this size a tensor's update (24 MB moved, ~10 us) outweighs its launch.
 MULTI_TENSOR_MAX_NUMEL = 1 << 20
+#: The alignment, in bytes, of every address and size in an ``ALIGNED`` launch.
+_ALIGN = 16
 _WARPS = 8
 
 
@@ -119,28 +126,45 @@ def _adamw_kernel(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_pt
 
 
 @triton.jit
-def _adamw_multi_kernel(table_ptr, g_table_ptr, programs_ptr, n_programs, lr_ptr, scale_ptr, lr, beta1, beta2,
-                        log2_beta1, log2_beta2, eps, weight_decay, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                        M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, STEP_DTYPE: tl.constexpr,
-                        LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _table_pointer(base_ptr, slot, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """A ``DTYPE`` pointer from an int64 of a launch's tables: the address itself, or (ALIGNED) its distance from
+    ``base_ptr`` in 16-byte units. The second form tells Triton that the address is 16-byte aligned (``base_ptr``,
+    a launch argument, is specialized as such), so the loads and stores through it are vectorized; a hint on a
+    loaded address (``tl.multiple_of``) does not reach them."""
+    value = tl.load(slot)
+    if ALIGNED:
+        return (base_ptr + value * 16).to(tl.pointer_type(DTYPE), bitcast=True)
+    return value.to(tl.pointer_type(DTYPE), bitcast=True)
+
+
+@triton.jit
+def _adamw_multi_kernel(table_ptr, g_table_ptr, programs_ptr, base_ptr, n_programs, lr_ptr, scale_ptr, lr, beta1,
+                        beta2, log2_beta1, log2_beta2, eps, weight_decay, P_DTYPE: tl.constexpr,
+                        G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr,
+                        STEP_DTYPE: tl.constexpr, LR_ON_DEVICE: tl.constexpr, MASTER: tl.constexpr,
+                        SCALE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One BLOCK of one tensor of a group (``AdamW.step``). ``table_ptr``: int64 (tensors, 6), per tensor the
     addresses of p, master_lo (p's without a master), exp_avg, exp_avg_sq, step, then its element count;
     ``g_table_ptr``: int64 gradient addresses; ``programs_ptr``: int32 (2, n_programs), per program its
-    tensor's row in the tables and its block in that tensor."""
+    tensor's row in the tables and its block in that tensor. ALIGNED: the addresses but the step's are
+    distances from ``base_ptr`` and the element count a count of 16 elements, all in 16-byte units
+    (``_table_pointer``)."""
     pid = tl.program_id(0)
     i = tl.load(programs_ptr + pid).to(tl.int64)
     block = tl.load(programs_ptr + n_programs + pid).to(tl.int64)
     row = table_ptr + i * 6
-    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE), bitcast=True)
+    p_ptr = _table_pointer(base_ptr, row, P_DTYPE, ALIGNED)
     if MASTER:
-        lo_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16), bitcast=True)
+        lo_ptr = _table_pointer(base_ptr, row + 1, tl.int16, ALIGNED)
     else:
         lo_ptr = p_ptr
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(M_DTYPE), bitcast=True)
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(V_DTYPE), bitcast=True)
+    m_ptr = _table_pointer(base_ptr, row + 2, M_DTYPE, ALIGNED)
+    v_ptr = _table_pointer(base_ptr, row + 3, V_DTYPE, ALIGNED)
     step_ptr = tl.load(row + 4).to(tl.pointer_type(STEP_DTYPE), bitcast=True)
     n = tl.load(row + 5)
-    g_ptr = tl.load(g_table_ptr + i).to(tl.pointer_type(G_DTYPE), bitcast=True)
+    if ALIGNED:
+        n = n * 16
+    g_ptr = _table_pointer(base_ptr, g_table_ptr + i, G_DTYPE, ALIGNED)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     _adamw_block(p_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, step_ptr, lr_ptr, scale_ptr, lr, offs, offs < n, beta1, beta2,
                  log2_beta1, log2_beta2, eps, weight_decay, LR_ON_DEVICE, MASTER, SCALE)
@@ -203,6 +227,13 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _aligned(tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether (p, lo, g, m, v, step) may go to an ``ALIGNED`` launch: the first five addresses multiples of
+    ``_ALIGN`` bytes and the element count a multiple of 16 (so that no vector of the last block straddles the
+    end)."""
+    return tensors[0].numel() % 16 == 0 and all(t.data_ptr() % _ALIGN == 0 for t in tensors[:5])
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -269,24 +300,40 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
               torch.float64: tl.float64}
 
 
+@functools.cache
+def _triton_dtypes(*dtypes: torch.dtype) -> tuple | None:
+    """The Triton dtypes of (g, m, v, step, p), or None where the multi-tensor kernel takes one of them not."""
+    out = tuple(_TL_DTYPES.get(d) for d in dtypes)
+    return None if any(d is None for d in out) else out
+
+
 class _Tables:
     """The device tables of one launch group that do not change between steps: ``table`` (int64, tensors x 6:
     the addresses of p, master_lo, exp_avg, exp_avg_sq, step, and the element count) and ``programs`` (int32,
-    2 x programs: each program's tensor and block within it), built from ``ptrs`` (``table`` flat)."""
+    2 x programs: each program's tensor and block within it), built from ``ptrs`` (the addresses and counts,
+    ``table`` flat). ``aligned``: the addresses but the step's are kept as distances from ``table``'s own address
+    and the counts as counts of 16, all in 16-byte units (``_table_pointer``); ``entry`` encodes another address so."""
 
-    def __init__(self, ptrs: list[int], table: torch.Tensor, programs: torch.Tensor, n_programs: int):
-        self.ptrs, self.table, self.programs, self.n_programs = ptrs, table, programs, n_programs
-
-    @classmethod
-    def build(cls, ptrs: list[int], device: torch.device) -> _Tables:
-        table = torch.tensor(ptrs, dtype=torch.int64).view(-1, 6)
-        blocks = (table[:, 5] + _BLOCK - 1) // _BLOCK
-        tensor = torch.repeat_interleave(torch.arange(len(table)), blocks)
+    def __init__(self, ptrs: list[int], device: torch.device, aligned: bool):
+        self.ptrs, self.aligned = ptrs, aligned
+        self.table = torch.empty(len(ptrs), dtype=torch.int64, device=device)
+        counts = torch.tensor(ptrs[5::6], dtype=torch.int64)
+        blocks = (counts + _BLOCK - 1) // _BLOCK
+        tensor = torch.repeat_interleave(torch.arange(len(counts)), blocks)
         first = torch.cumsum(blocks, 0) - blocks  # each tensor's first program
         programs = torch.stack([tensor, torch.arange(len(tensor)) - first[tensor]]).to(torch.int32)
-        pin = device.type == "cuda"
-        table, programs = (t.pin_memory() if pin else t for t in (table, programs))
-        return cls(ptrs, table.to(device, non_blocking=True), programs.to(device, non_blocking=True), len(tensor))
+        self.n_programs = len(tensor)
+        entries = ptrs if not aligned else [x if k == 4 else x // 16 if k == 5 else self.entry(x)
+                                            for k, x in zip(itertools.cycle(range(6)), ptrs, strict=False)]
+        table, programs = torch.tensor(entries, dtype=torch.int64), programs
+        if device.type == "cuda":
+            table, programs = table.pin_memory(), programs.pin_memory()
+        self.table.copy_(table, non_blocking=True)
+        self.programs = programs.to(device, non_blocking=True)
+
+    def entry(self, address: int) -> int:
+        """How the kernel reads ``address`` from this group's tables."""
+        return (address - self.table.data_ptr()) // 16 if self.aligned else address
 
 
 class AdamW(torch.optim.AdamW):
@@ -435,18 +482,19 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         scale, self._grad_scale = self._grad_scale, None
-        with_grad = [p for p in self._params() if self._grad(p) is not None]
+        grads = {p: g for p in self._params() if (g := self._grad(p)) is not None}  # each looked up once
+        with_grad = list(grads)
         if with_grad and not all(use_triton(_local(p)) for p in with_grad):
             self._reference_step(with_grad, scale)
             return loss
         for i, group in enumerate(self.param_groups):  # every check first: an error leaves nothing half-stepped
+            params = [p for p in group["params"] if p in grads]
             refused = [k for k in ("amsgrad", "maximize", "differentiable") if group.get(k)]
-            if refused and any(self._grad(p) is not None for p in group["params"]):  # add_param_group / state dict
+            if refused and params:  # add_param_group / state dict
                 raise ValueError(f"kernels.AdamW: param group {i} sets {refused}; plain AdamW only")
-            for p in group["params"]:
-                if self._grad(p) is not None:
-                    _check_layout(p, self._grad(p), self.state.get(p, {}))
-                    _check_lr_device(self._lr(group, [p]), _local(p).device)  # (a host tensor: read as a float)
+            for p in params:
+                _check_layout(p, grads[p], self.state.get(p, {}))
+                _check_lr_device(self._lr(group, [p]), _local(p).device)  # (a host tensor: read as a float)
         capturing = bool(with_grad) and with_grad[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         index = {id(group): i for i, group in enumerate(self.param_groups)}
         launches: dict[tuple, list[tuple[torch.Tensor, ...]]] = {}  # launch group -> (p, lo, g, m, v, step) each
@@ -456,19 +504,22 @@ class AdamW(torch.optim.AdamW):
             groups[index[id(group)]] = group, lr
             beta1, beta2 = group["betas"]
             for p in params:
-                state, grad = self.state[p], self._grad(p)
+                state, grad = self.state[p], grads[p]
                 grad = grad if grad.stride() == p.stride() else torch.empty_like(p, dtype=grad.dtype).copy_(grad)
                 lo = state.get("master_lo")
-                tensors = tuple(_local(t) for t in (p, lo if lo is not None else p, grad, state["exp_avg"],
-                                                    state["exp_avg_sq"], state["step"]))
+                tensors = (p, p if lo is None else lo, grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
+                if hasattr(p, "to_local"):  # DTensor shards: their local tensors
+                    tensors = tuple(_local(t) for t in tensors)
                 if tensors[0].numel() == 0:
                     continue
-                dtypes = tuple(_TL_DTYPES.get(t.dtype) for t in tensors[2:] + tensors[:1])
-                if capturing or None in dtypes or tensors[0].numel() > MULTI_TENSOR_MAX_NUMEL:
+                dtypes = _triton_dtypes(*(t.dtype for t in tensors[2:] + tensors[:1]))
+                aligned = _aligned(tensors)
+                if capturing or dtypes is None or (tensors[0].numel() > MULTI_TENSOR_MAX_NUMEL and not aligned):
                     adamw_update_(p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr, beta1, beta2,
                                   group["eps"], group["weight_decay"], master_lo=lo, grad_scale=scale)
                     continue
-                launches.setdefault((index[id(group)], tensors[0].device, lo is not None, *dtypes), []).append(tensors)
+                key = (index[id(group)], tensors[0].device, lo is not None, aligned, *dtypes)
+                launches.setdefault(key, []).append(tensors)
         for key, tensors in launches.items():
             self._launch(key, tensors, *groups[key[0]], scale)
         return loss
@@ -476,26 +527,28 @@ class AdamW(torch.optim.AdamW):
     def _launch(self, key: tuple, tensors: list[tuple[torch.Tensor, ...]], group: dict, lr: float | torch.Tensor,
                 scale: torch.Tensor | None) -> None:
         """One ``_adamw_multi_kernel`` launch over ``tensors`` ((p, lo, g, m, v, step) each, local shards, one
-        param group, device and set of dtypes). Parameter, moment and step addresses stay put between steps,
+        param group, device, set of dtypes and alignment). Parameter, moment and step addresses stay put between steps,
         so their table (and the per-program table) is kept and rebuilt only when one of them changes (a
         storage replaced, a parameter without a gradient this step); the gradient table is built each step,
         copied from pinned memory without a host sync."""
-        _, device, master, g_dtype, m_dtype, v_dtype, step_dtype, p_dtype = key
+        _, device, master, aligned, g_dtype, m_dtype, v_dtype, step_dtype, p_dtype = key
         ptrs = [x for p, lo, _, m, v, step in tensors
                 for x in (p.data_ptr(), lo.data_ptr(), m.data_ptr(), v.data_ptr(), step.data_ptr(), p.numel())]
         tables = self._tables.get(key)
         if tables is None or tables.ptrs != ptrs:
-            tables = self._tables[key] = _Tables.build(ptrs, device)
-        g_table = torch.tensor([t[2].data_ptr() for t in tensors], dtype=torch.int64, pin_memory=device.type == "cuda")
+            tables = self._tables[key] = _Tables(ptrs, device, aligned)
+        g_table = torch.tensor([tables.entry(t[2].data_ptr()) for t in tensors], dtype=torch.int64,
+                               pin_memory=device.type == "cuda")
         g_table = g_table.to(device, non_blocking=True)
         beta1, beta2 = group["betas"]
         on_device = isinstance(lr, torch.Tensor)
         _adamw_multi_kernel[(tables.n_programs,)](
-            tables.table, g_table, tables.programs, tables.n_programs, lr if on_device else g_table,
+            tables.table, g_table, tables.programs, tables.table.view(torch.uint8), tables.n_programs,
+            lr if on_device else g_table,
             g_table if scale is None else scale, 0.0 if on_device else float(lr), beta1, beta2, _log2(beta1),
             _log2(beta2), group["eps"], group["weight_decay"], P_DTYPE=p_dtype, G_DTYPE=g_dtype, M_DTYPE=m_dtype,
             V_DTYPE=v_dtype, STEP_DTYPE=step_dtype, LR_ON_DEVICE=on_device, MASTER=master, SCALE=scale is not None,
-            BLOCK=_BLOCK, num_warps=_WARPS)
+            ALIGNED=aligned, BLOCK=_BLOCK, num_warps=_WARPS)
 
     def _init_state(self, p: torch.Tensor) -> None:
         """torch's layout: step on the device (as with capturable), moments like p (fp32 for a master's)."""
