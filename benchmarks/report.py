@@ -31,6 +31,7 @@ TARGETS = {
     "docs/moe.md": ("moe",),
     "docs/fp8.md": ("fp8",),
     "docs/qlora.md": ("qlora",),
+    "docs/kernels.md": ("adamw_step",),
 }
 #: Display names of the benchmark shapes (public configs, benchmarks/common.py MODELS).
 MODEL_NAMES = {"llama-1b": "Llama-3.2-1B", "llama-3.1-8b": "Llama-3.1-8B",
@@ -725,6 +726,23 @@ def kernels_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def adamw_step_table(d: dict) -> str:
+    """The optimiser step of one-GPU full fine-tuning (bench_adamw_step): host and device time per implementation."""
+    lines = [f"`clip_grad_norm_(1.0)` and `step()` of the optimiser as one-GPU full fine-tuning runs it (fp32 masters "
+             f"beside bf16 weights, bf16 gradients) over {_name(d['model'])}'s {d['tensors']} parameter tensors "
+             f"({d['params'] / 1e9:.2f}B parameters, {d['tensors_above_multi_tensor_size']} tensors above a million "
+             f"elements), on {d['gpu']} (`benchmarks/bench_adamw_step.py`). Host: the median time to enqueue both "
+             "while the GPU is still busy, so none of it waits for the device. Device: kernel time after an L2 flush, "
+             f"and {d['bytes_per_param']} bytes a parameter against the copy bandwidth measured in the same run "
+             f"({d['copy_gbs']} GB/s).", "",
+             "| implementation | host ms | device ms | device launches | GB/s | of copy bandwidth |",
+             "|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['impl']} | {r['host_ms_median']:.2f} | {r['kernel_ms_median']:.2f} | "
+                     f"{r['launches'][-1]:g} | {r['gbs']} | {100 * r['frac_copy_bw']:.0f}% |")
+    return "\n".join(lines + _sources([d]))
+
+
 def kernels() -> str:
     d = _latest("kernels")
     return kernels_table(d) if d else "No results committed yet."
@@ -1132,7 +1150,8 @@ def blocks() -> dict[str, str]:
     return {"headline": headline(), "summary": summary(), "training": training(), "lora": lora(), "step": step(),
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
-            "decode": _newest("decode", decode_table), "preference": _all("preference", preference_table),
+            "decode": _newest("decode", decode_table), "adamw_step": _newest("adamw-step", adamw_step_table),
+            "preference": _all("preference", preference_table),
             "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table), "fp8": fp8(), "qlora": qlora()}
 
 
