@@ -315,17 +315,19 @@ class _Tables:
     and the counts as counts of 16, all in 16-byte units (``_table_pointer``); ``entry`` encodes another address so."""
 
     def __init__(self, ptrs: list[int], device: torch.device, aligned: bool):
-        self.ptrs, self.aligned = ptrs, aligned
         self.table = torch.empty(len(ptrs), dtype=torch.int64, device=device)
+        # (the tables' own address is the base: PyTorch's allocators align far more than 16 bytes, but if not, the
+        # launch reads raw addresses)
+        self.ptrs, self.aligned = ptrs, aligned and self.table.data_ptr() % _ALIGN == 0
         counts = torch.tensor(ptrs[5::6], dtype=torch.int64)
         blocks = (counts + _BLOCK - 1) // _BLOCK
         tensor = torch.repeat_interleave(torch.arange(len(counts)), blocks)
         first = torch.cumsum(blocks, 0) - blocks  # each tensor's first program
         programs = torch.stack([tensor, torch.arange(len(tensor)) - first[tensor]]).to(torch.int32)
         self.n_programs = len(tensor)
-        entries = ptrs if not aligned else [x if k == 4 else x // 16 if k == 5 else self.entry(x)
-                                            for k, x in zip(itertools.cycle(range(6)), ptrs, strict=False)]
-        table, programs = torch.tensor(entries, dtype=torch.int64), programs
+        entries = ptrs if not self.aligned else [x if k == 4 else x // 16 if k == 5 else self.entry(x)
+                                                 for k, x in zip(itertools.cycle(range(6)), ptrs, strict=False)]
+        table = torch.tensor(entries, dtype=torch.int64)
         if device.type == "cuda":
             table, programs = table.pin_memory(), programs.pin_memory()
         self.table.copy_(table, non_blocking=True)
@@ -548,7 +550,7 @@ class AdamW(torch.optim.AdamW):
             g_table if scale is None else scale, 0.0 if on_device else float(lr), beta1, beta2, _log2(beta1),
             _log2(beta2), group["eps"], group["weight_decay"], P_DTYPE=p_dtype, G_DTYPE=g_dtype, M_DTYPE=m_dtype,
             V_DTYPE=v_dtype, STEP_DTYPE=step_dtype, LR_ON_DEVICE=on_device, MASTER=master, SCALE=scale is not None,
-            ALIGNED=aligned, BLOCK=_BLOCK, num_warps=_WARPS)
+            ALIGNED=tables.aligned, BLOCK=_BLOCK, num_warps=_WARPS)
 
     def _init_state(self, p: torch.Tensor) -> None:
         """torch's layout: step on the device (as with capturable), moments like p (fp32 for a master's)."""
