@@ -26,18 +26,21 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
 - :mod:`kernels.adamw`: ``AdamW`` (``torch.optim.AdamW`` with a Triton update kernel; an optimiser, not an op)
 """
 
-from kernels._common import INTERPRET, use_triton
-from kernels.adamw import AdamW
-from kernels.attention import document_attention, document_bounds
-from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
-from kernels.fp8 import fp8_linear
-from kernels.glu import geglu, glu_linear, swiglu
-from kernels.logprobs import fused_linear_logprob_loss, fused_linear_logprobs, fused_linear_sequence_logprobs
-from kernels.low_rank import LowRank, lora_linear
-from kernels.moe import load_balancing_loss, moe_mlp, moe_mlp_reference
-from kernels.norm_linear import rms_norm_linear
-from kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
+from kernels._common import INTERPRET, kernels_found_on_first_read, use_triton
+
+with kernels_found_on_first_read():  # the ops register without reading their kernels' sources (see there)
+    from kernels import nf4  # noqa: F401  (not re-exported; its ops register here too)
+    from kernels.adamw import AdamW
+    from kernels.attention import document_attention, document_bounds
+    from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
+    from kernels.fp8 import fp8_linear
+    from kernels.glu import geglu, glu_linear, swiglu
+    from kernels.logprobs import fused_linear_logprob_loss, fused_linear_logprobs, fused_linear_sequence_logprobs
+    from kernels.low_rank import LowRank, lora_linear
+    from kernels.moe import load_balancing_loss, moe_mlp, moe_mlp_reference
+    from kernels.norm_linear import rms_norm_linear
+    from kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from kernels.rope import apply_qk_norm_rope_qkv_, apply_rope, apply_rope_qkv_
 
 __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_norm_linear", "apply_rope",
            "apply_rope_qkv_", "apply_qk_norm_rope_qkv_", "swiglu", "geglu", "glu_linear", "fp8_linear", "LowRank",

@@ -16,6 +16,7 @@ skipping the dispatcher's host time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -161,3 +162,58 @@ def _plain_eager(args: tuple, kwargs: dict) -> bool:
         if isinstance(a, torch.Tensor) and (type(a) not in _PLAIN or a.device.type == "meta"):
             return False
     return True
+
+
+class _KernelsOnFirstRead(list):
+    """The Triton kernels a registered op launches, found (``find(fn)``) the first time the list is read."""
+
+    def __init__(self, find, fn):
+        super().__init__()
+        self._pending = (find, fn)
+
+    def _found(self) -> list:
+        if self._pending is not None:
+            find, fn = self._pending
+            self._pending = None
+            self.extend(find(fn))
+        return self
+
+    def __iter__(self):
+        return list.__iter__(self._found())
+
+    def __len__(self) -> int:
+        return list.__len__(self._found())
+
+    def __getitem__(self, i):
+        return list.__getitem__(self._found(), i)
+
+    def __contains__(self, x) -> bool:
+        return list.__contains__(self._found(), x)
+
+    def __repr__(self) -> str:
+        return list.__repr__(self._found())
+
+
+@contextlib.contextmanager
+def kernels_found_on_first_read():
+    """While this package's ops register: the kernels each ``torch.library.triton_op`` launches are found when first
+    read, not at registration.
+
+    Why: at registration, torch (2.13) reads the source of the op and of every function it calls, recursively, and
+    imports torch._inductor to do so, only to fill the list that torch.compile's AOTAutograd cache reads when it keys
+    a compiled graph. Every process importing ``kernels`` paid it: on a 2-core CPU ``import ligermodels.train.loop``
+    took 4.3-5.9 s with it and 2.9-3.5 s without, and a 3-step demo run 7.6-8.0 s against 6.6-7.6 s. The list is the
+    same; it is built when the cache first reads it. Where torch has no such function, nothing changes."""
+    try:
+        import torch._library.triton as library_triton
+    except ImportError:
+        library_triton = None
+    find = getattr(library_triton, "get_inner_triton_kernels", None)
+    if find is None:
+        yield
+        return
+    library_triton.get_inner_triton_kernels = lambda fn: _KernelsOnFirstRead(find, fn)
+    try:
+        yield
+    finally:
+        library_triton.get_inner_triton_kernels = find

@@ -11,6 +11,7 @@ test-only package is blocked without editing this file.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -160,3 +161,42 @@ def test_environment_errors_name_the_package_the_device_or_the_path():
     message = environment_error(PermissionError(13, "Permission denied", "/ro/ckpt"))
     assert "/ro/ckpt" in message and "writable" in message
     assert environment_error(KeyError("a bug")) is None
+
+
+_KERNEL_LISTS = """
+import json, sys
+import torch._library.triton as library_triton
+import ligermodels.train.loop  # what a training process imports
+from kernels._common import _KernelsOnFirstRead
+
+ours = {n: k for n, k in library_triton.triton_ops_to_kernels.items() if n.startswith("ligermodels::")}
+deferred = all(isinstance(k, _KernelsOnFirstRead) for k in ours.values())
+inductor_at_import = "torch._inductor" in sys.modules
+pending = {n: k._pending for n, k in ours.items()}
+
+def names(kernels):
+    return [getattr(k, "__name__", None) or k.fn.__name__ for k in kernels]
+
+print(json.dumps({"deferred": deferred, "inductor_at_import": inductor_at_import,
+                  "read": {n: names(library_triton.get_triton_kernels_for_op(n)) for n in ours},
+                  "at_registration": {n: names(find(fn)) for n, (find, fn) in pending.items()}}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(importlib.import_module("torch._library.triton"), "get_inner_triton_kernels"),
+                    reason="this torch does not look for a triton_op's kernels at registration")
+def test_the_ops_kernels_are_found_when_first_read_and_importing_the_trainer_leaves_inductor_unimported():
+    """Registering this package's ops reads no kernel source and imports no torch._inductor (a second or more of
+    every process's start); torch.compile's cache, reading the lists later, gets what registration would have found
+    (compiled kernels: TRITON_INTERPRET=0, where torch recognises them)."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT}
+    run = subprocess.run([sys.executable, "-c", _KERNEL_LISTS], env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["deferred"] and not out["inductor_at_import"]
+    assert out["read"] == out["at_registration"]
+    assert out["read"]["ligermodels::rms_norm_fwd"] == ["_rms_norm_fwd_kernel"]
+    assert sum(bool(k) for k in out["read"].values()) >= 20, out["read"]  # most ops launch a kernel they name
