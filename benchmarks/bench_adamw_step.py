@@ -31,6 +31,7 @@ import kernels.adamw
 from benchmarks.common import MODELS, copy_bandwidth_gbs, environment, kernel_time, write_results
 from ligermodels import CausalLM
 from ligermodels.families import config_from_hf
+from ligermodels.train.parallelize import decay_groups
 
 #: Bytes a parameter the clipping norm and one master-weight step move (see the module docstring).
 BYTES_PER_PARAM = 28
@@ -46,9 +47,7 @@ def load_module(path: str, name: str):
 
 def make_optimizer(module, params: list[torch.nn.Parameter]):
     """``module.AdamW`` as ``ligermodels.train.parallelize.build_optimizer`` makes it for one bf16 GPU."""
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = module.AdamW(groups, lr=torch.tensor(1e-5, device="cuda"), betas=(0.9, 0.95), eps=1e-8)
+    opt = module.AdamW(decay_groups(params, 0.1), lr=torch.tensor(1e-5, device="cuda"), betas=(0.9, 0.95), eps=1e-8)
     opt.init_master_weights_(torch.bfloat16)
     return opt
 

@@ -443,6 +443,12 @@ def nf4_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[st
 
 
 # ------------------------------------------------------------------------------------------ optimiser
+def decay_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Two param groups: the matrices with ``weight_decay``, the vectors (norms, biases) without."""
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
 def build_optimizer(model: CausalLM, config: TrainConfig, world: int) -> AdamW:
     """AdamW with weight decay on matrices only: ``kernels.AdamW`` (the Triton update on each rank's shards;
     torch's AdamW on the CPU). Its state dict is torch's AdamW's.
@@ -453,10 +459,7 @@ def build_optimizer(model: CausalLM, config: TrainConfig, world: int) -> AdamW:
     no master needed); the frozen base is bf16 from :func:`build_model` on.
     """
     trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters only
-    decay = [p for p in trained if p.ndim >= 2]
-    no_decay = [p for p in trained if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+    optimizer = AdamW(decay_groups(trained, config.weight_decay), lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
     if world == 1 and config.dtype == "bf16" and not config.lora_rank:  # (LoRA: the base is bf16 already)
         optimizer.init_master_weights_(torch.bfloat16)
     return optimizer
