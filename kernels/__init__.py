@@ -12,6 +12,8 @@ reference, or the Triton kernels through the interpreter when ``TRITON_INTERPRET
   interleaved rotary), ``apply_qk_norm_rope_qkv_`` (q/k head RMSNorm + RoPE, in place)
 - :mod:`kernels.attention`: ``document_attention`` (causal attention within packed documents and a window),
   ``document_bounds``
+- :mod:`kernels.decode_attention`: ``decode_attention`` (one query token per row over a key/value cache, split
+  over the cache length)
 - :mod:`kernels.glu`: ``swiglu``, ``geglu``, ``glu_linear`` (GLU + down projection, activation recomputed)
 - :mod:`kernels.fp8`: ``fp8_linear`` (forward and input-gradient GEMMs in FP8 with row scales; ``rms_norm_linear``
   and ``glu_linear`` take ``fp8=`` and write their GEMM input quantised)
@@ -33,6 +35,7 @@ with kernels_found_on_first_read():  # the ops register without reading their ke
     from kernels.adamw import AdamW
     from kernels.attention import document_attention, document_bounds
     from kernels.cross_entropy import cross_entropy, fused_linear_cross_entropy
+    from kernels.decode_attention import decode_attention
     from kernels.fp8 import fp8_linear
     from kernels.glu import geglu, glu_linear, swiglu
     from kernels.logprobs import fused_linear_logprob_loss, fused_linear_logprobs, fused_linear_sequence_logprobs
@@ -47,4 +50,4 @@ __all__ = ["INTERPRET", "use_triton", "rms_norm", "fused_add_rms_norm", "rms_nor
            "lora_linear",
            "cross_entropy", "fused_linear_cross_entropy", "fused_linear_logprobs",
            "fused_linear_sequence_logprobs", "fused_linear_logprob_loss", "AdamW", "document_attention",
-           "document_bounds", "moe_mlp", "moe_mlp_reference", "load_balancing_loss"]
+           "document_bounds", "decode_attention", "moe_mlp", "moe_mlp_reference", "load_balancing_loss"]

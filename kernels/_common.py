@@ -17,6 +17,7 @@ skipping the dispatcher's host time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -35,6 +36,19 @@ def use_triton(x: torch.Tensor) -> bool:
     if x.device.type == "cuda":
         return True
     return INTERPRET and x.device.type == "cpu"
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA ``device`` (cached); 3 elsewhere (the interpreter: a few programs, each taking
+    several rows)."""
+    if device.type != "cuda":
+        return 3
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def needs_capability(device: torch.device, least: tuple[int, int], what: str) -> str | None:

@@ -46,7 +46,6 @@ Bytes moved (the fewest the op must move), for M rows of H elements of s bytes (
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -64,6 +63,7 @@ from kernels._common import (
     eager_op,
     row_block,
     row_warps,
+    sm_count,
     use_triton,
 )
 from kernels.fp8 import E4M3, _fp8_grid, _pow2_scale
@@ -218,11 +218,6 @@ def _rows_per_block(cols: int) -> tuple[int, int, int]:
     return block_m, block_n, row_warps(block_m * block_n)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _bwd_tiling(cols: int, elem_size: int) -> tuple[int, int, int, bool]:
     """(BLOCK_M, BLOCK_N, num_warps, PREFETCH) of the backward. It keeps few programs alive (each owns an
     fp32 partial dw), so each iteration moves whole rows worth ~16 KB of every input (8192 bf16 or 4096
@@ -242,8 +237,7 @@ def _bwd_programs(device: torch.device, rows: int, block_m: int, block_n: int) -
     tiles = triton.cdiv(rows, block_m)
     if device.type != "cuda" or INTERPRET:
         return max(1, min(tiles, 4))
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(tiles, _BWD_PROGRAMS_PER_SM * sms))
+    return max(1, min(tiles, _BWD_PROGRAMS_PER_SM * sm_count(device)))
 
 
 def _dw_tiling(partials: int, cols: int) -> tuple[int, int, int]:

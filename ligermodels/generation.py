@@ -17,9 +17,10 @@ How it works
   boolean mask: slot is not padding, slot <= the query's slot, and ``query slot - slot < window`` for
   sliding-window layers (HF's convention: the window counts the query itself). Slots are columns and a
   row's tokens are contiguous after its left padding, so slot distances are position distances. The
-  grouped query heads of one kv head are laid out as the query-length axis of one SDPA call, so no
-  backend needs ``enable_gqa`` and k/v are never repeated. Every tensor of a step has a static shape
-  and the slot is a device tensor, so the step can be compiled and CUDA-graphed (``compile=True``).
+  attention is :func:`kernels.decode_attention`: the grouped query heads of one kv head are one tile, so
+  k/v are never repeated, and the buffer's length is split over programs (a batch of one still fills the
+  GPU); soft-capped layers (Gemma 2) take a dense computation instead. Every tensor of a step has a static
+  shape and the slot is a device tensor, so the step can be compiled and CUDA-graphed (``compile=True``).
 * **Positions** follow transformers: ``position_ids = cumsum(attention_mask) - 1`` (pads at 0), and each
   new token's position is the previous one + 1.
 * **RoPE.** cos/sin come from the model's ``RotaryEmbedding`` with each call's position ids, so the
@@ -43,6 +44,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels import decode_attention
 from ligermodels.attention import AttentionMask, causal_attention, softcap_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.model import CausalLM
@@ -158,8 +160,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
         scale: softmax scale (default D ** -0.5).
         softcap: attention logit soft-capping (Gemma 2), computed densely by :func:`softcap_attention`.
     Returns:
-        (B, s, Hq, D). The G = Hq / Hkv query heads sharing a kv head become the query axis of one
-        SDPA call per kv head (a view when s == 1), so k/v are read once and never repeated.
+        (B, s, Hq, D). One query a row without gradients (a decode step) runs :func:`kernels.decode_attention`;
+        otherwise the G = Hq / Hkv query heads sharing a kv head become the query axis of one SDPA call per
+        kv head, so k/v are read once and never repeated.
     """
     b, s, hq, d = q.shape
     if softcap is not None:
@@ -167,6 +170,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
         return o.transpose(1, 2)
     hkv, length = k.shape[2], k.shape[1]
     g = hq // hkv
+    if s == 1 and not torch.is_grad_enabled():  # a decode step: the split kernel, the mask read as it is
+        return decode_attention(q.view(b, hq, d), k, v, allowed.reshape(b, length), scale).view(b, 1, hq, d)
     if s == 1:
         qg, m = q.view(b, hkv, g, d), allowed
     else:
