@@ -132,7 +132,7 @@ def _splits(batch: int, n_kv: int, length: int, block_n: int, sms: int) -> tuple
 @triton_op(f"{LIB}::decode_attention", mutates_args={})
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """q (B, Hq, D), k/v (B, L, Hkv, D) unit last stride, allowed (B, L) uint8 -> (B, Hq, D) in q's dtype."""
+    """q (B, Hq, D), k/v (B, L, Hkv, D) unit last stride, allowed (B, L) bool -> (B, Hq, D) in q's dtype."""
     B, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -203,4 +203,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     scale = D ** -0.5 if scale is None else float(scale)
     if not use_triton(q) or q.dtype == torch.float64 or any(t.stride(-1) != 1 for t in (q, k, v)):
         return decode_attention_reference(q, k, v, allowed, scale)
-    return _decode_attention(q, k, v, allowed.view(torch.uint8), scale)
+    return _decode_attention(q, k, v, allowed, scale)
