@@ -34,7 +34,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
 from kernels._common import LIB, compute_dtype, eager_op, sm_count, use_triton
 
@@ -129,10 +128,14 @@ def _splits(batch: int, n_kv: int, length: int, block_n: int, sms: int) -> tuple
 
 
 @eager_op
-@triton_op(f"{LIB}::decode_attention", mutates_args={})
+@torch.library.custom_op(f"{LIB}::decode_attention", mutates_args=())
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """q (B, Hq, D), k/v (B, L, Hkv, D) unit last stride, allowed (B, L) bool -> (B, Hq, D) in q's dtype."""
+    """q (B, Hq, D), k/v (B, L, Hkv, D) unit last stride, allowed (B, L) bool -> (B, Hq, D) in q's dtype.
+
+    An opaque ``custom_op``, not a ``triton_op``: Inductor's own build of these kernels failed on an H200
+    (torch 2.11, triton 3.6: an InductorError from its compile subprocess, in ``generate(compile=True)``), so
+    under torch.compile they launch exactly as in eager."""
     B, Hq, D = q.shape
     L, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -145,17 +148,22 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     acc = torch.empty((rows, D), dtype=torch.float32, device=q.device)
     m = torch.empty((rows,), dtype=torch.float32, device=q.device)
     l_sum = torch.empty((rows,), dtype=torch.float32, device=q.device)
-    wrap_triton(_decode_split_kernel)[(B * Hkv, n_split)](
+    _decode_split_kernel[(B * Hkv, n_split)](
         q, k, v, allowed, out, acc, m, l_sum, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), allowed.stride(0), out.stride(0), out.stride(1),
         Hkv, group, D, L, chunk, n_split, scale * math.log2(math.e),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
         IEEE=q.dtype == torch.float32, num_warps=4)
     if not direct:
-        wrap_triton(_decode_combine_kernel)[(B * Hq,)](
+        _decode_combine_kernel[(B * Hq,)](
             acc, m, l_sum, out, out.stride(0), out.stride(1), Hq, D, n_split,
             BLOCK_S=triton.next_power_of_2(n_split), BLOCK_D=block_d, num_warps=4)
     return out
+
+
+@_decode_attention.register_fake
+def _(q, k, v, allowed, scale):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 # ------------------------------------------------------------------------------------- reference

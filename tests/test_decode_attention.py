@@ -93,3 +93,10 @@ def test_decode_attention_compiles_without_graph_break_and_matches_eager():
         eager = decode_attention(q, k, v, allowed)
         compiled = torch.compile(decode_attention, fullgraph=True)(q, k, v, allowed)
     assert torch.equal(compiled, eager)
+
+
+def test_the_decode_attention_op_passes_opcheck():
+    """Its schema, fake (meta) implementation and dispatch hold, as torch.compile and CUDA graphs need them."""
+    q, k, v = _inputs(2, 40, 4, 2, 16, torch.bfloat16)
+    allowed = _mask(2, 40, "random")
+    torch.library.opcheck(torch.ops.ligermodels.decode_attention.default, (q, k, v, allowed, 0.25))
