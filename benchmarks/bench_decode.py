@@ -142,8 +142,10 @@ def main() -> None:
                   f"prefill {row['prefill_ms']:.1f} ms  match {row.get('match_prefix')}/{len(gen)}")
         rows += batch_rows
         # written after every batch, so a run stopped at its time limit keeps the batches it finished
-        path = write_results(f"decode-{env['gpu'].replace(' ', '_')}-{env['date']}", {"config": config, "rows": rows},
-                             args.out)
+        notes = [f"Llama-3.2-1B shape, random bf16 weights, prompt {args.prompt} tokens, {new} new tokens, greedy, "
+                 "static KV cache; ligermodels-compiled is generate(compile=True), ligermodels-eager generate()."]
+        path = write_results(f"decode-{env['gpu'].replace(' ', '_')}-{env['date']}",
+                             {"config": config, "rows": rows, "notes": notes}, args.out)
         print("wrote", path)
 
 

@@ -792,10 +792,18 @@ def linear_table(d: dict) -> str:
 
 
 def decode_table(d: dict) -> str:
-    lines = [f"Greedy decoding, on {d['gpu']}.", "", "| impl | batch | tokens/s |", "|---|---|---|"]
+    """bench_decode's rows: decode tokens/s, time a step, and the ratio to transformers' compiled static-cache
+    generate of the same batch in the same file (one machine)."""
+    hf = {r["batch"]: r["tokens_per_s"] for r in d["rows"]
+          if r["impl"] == "transformers-static" and "tokens_per_s" in r}
+    lines = [f"Greedy decoding, on {d['gpu']}.", "", "| impl | batch | tokens/s | ms a step | vs transformers-static |",
+             "|---|---|---|---|---|"]
     for r in d["rows"]:
-        tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else r.get("error", "")
-        lines.append(f"| {r['impl']} | {r['batch']} | {tps} |")
+        if "tokens_per_s" not in r:
+            lines.append(f"| {r['impl']} | {r['batch']} | {r.get('error', '')} | - | - |")
+            continue
+        ratio = f"{r['tokens_per_s'] / hf[r['batch']]:.2f}x" if r["batch"] in hf else "-"
+        lines.append(f"| {r['impl']} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | {ratio} |")
     return "\n".join(lines + _sources([d]))
 
 
@@ -1150,7 +1158,7 @@ def blocks() -> dict[str, str]:
     return {"headline": headline(), "summary": summary(), "training": training(), "lora": lora(), "step": step(),
             "scale": scale(), "attention": attention(), "kernels": kernels(),
             "flce": _newest("flce", flce_table), "linear": _newest("linear", linear_table),
-            "decode": _newest("decode", decode_table), "adamw_step": _newest("adamw-step", adamw_step_table),
+            "decode": _all("decode", decode_table), "adamw_step": _newest("adamw-step", adamw_step_table),
             "preference": _all("preference", preference_table),
             "moe": moe(), "dpo_head": _newest("dpo-head", dpo_head_table), "fp8": fp8(), "qlora": qlora()}
 
