@@ -32,10 +32,11 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._common import LIB, compute_dtype, eager_op, sm_count, use_triton
+from kernels._common import LIB, eager_op, sm_count, use_triton
 
 #: Keys a tile: 64 up to head dim 128, 32 beyond (the k and v tiles stay within registers at head dim 256).
 _BLOCK_N = {True: 64, False: 32}
@@ -169,17 +170,14 @@ def _(q, k, v, allowed, scale):
 # ------------------------------------------------------------------------------------- reference
 def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                                scale: float | None = None) -> torch.Tensor:
-    """Pure-PyTorch decode attention in fp32 (fp64 for fp64 inputs), rounded once to q's dtype; shapes as in
-    :func:`decode_attention`."""
+    """PyTorch's SDPA in the inputs' dtype, the G query heads of a kv head laid out as its query axis (a view: k/v
+    never repeated); shapes as in :func:`decode_attention`. The CPU path of generation, which ran exactly this
+    before the kernel existed (its numbers unchanged), and with float64 inputs the tests' reference."""
     B, Hq, D = q.shape
     Hkv = k.shape[2]
-    cd = compute_dtype(q.dtype)
-    scale = D ** -0.5 if scale is None else scale
-    qg = q.to(cd).view(B, Hkv, Hq // Hkv, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.to(cd)) * scale
-    scores = scores.masked_fill(~allowed.bool()[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), v.to(cd))
-    return out.reshape(B, Hq, D).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=allowed[:, None, None, :], scale=scale)
+    return out.reshape(B, Hq, D)
 
 
 # ---------------------------------------------------------------------------------------- public
@@ -208,7 +206,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
                          f"{allowed.dtype}")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError("decode_attention has no backward: call it under torch.no_grad()")
-    scale = D ** -0.5 if scale is None else float(scale)
     if not use_triton(q) or q.dtype == torch.float64 or any(t.stride(-1) != 1 for t in (q, k, v)):
         return decode_attention_reference(q, k, v, allowed, scale)
-    return _decode_attention(q, k, v, allowed, scale)
+    return _decode_attention(q, k, v, allowed, D ** -0.5 if scale is None else float(scale))
