@@ -100,3 +100,26 @@ def test_the_decode_attention_op_passes_opcheck():
     q, k, v = _inputs(2, 40, 4, 2, 16, torch.bfloat16)
     allowed = _mask(2, 40, "random")
     torch.library.opcheck(torch.ops.ligermodels.decode_attention.default, (q, k, v, allowed, 0.25))
+
+
+def test_generation_reads_the_cache_through_the_kernel_at_every_decode_step(monkeypatch):
+    """generate's decode steps (one token a row, no gradient) call decode_attention once a layer a step, with the
+    cache buffers and the step's mask; the prefill does not."""
+    import ligermodels.generation as generation
+    from ligermodels import DecoderConfig, LigerLlama
+
+    calls = []
+
+    def counting(q, k, v, allowed, scale=None):
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(allowed.shape)))
+        return decode_attention(q, k, v, allowed, scale)
+
+    monkeypatch.setattr(generation, "decode_attention", counting)
+    torch.manual_seed(0)
+    cfg = DecoderConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=2, num_heads=4,
+                        num_kv_heads=2, max_position_embeddings=64)
+    model = LigerLlama(cfg).init_weights(std=0.2).to(DEVICE).eval()
+    ids = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out = model.generate(ids, 4)
+    assert out.shape == (3, 9)
+    assert calls == [((3, 4, 16), (3, 9, 2, 16), (3, 9))] * (3 * 2)  # 3 decode steps (the prefill gives the first)
