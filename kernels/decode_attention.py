@@ -42,6 +42,9 @@ from kernels._common import LIB, eager_op, sm_count, use_triton
 _BLOCK_N = {True: 64, False: 32}
 #: Programs the split count aims at, per multiprocessor.
 _PROGRAMS_PER_SM = 2
+#: Most (splits x padded head dim) the combine kernel holds at once (fp32): 64 splits at head dim 128, 32 at 256.
+#: Without it a batch of one on a long cache of one kv head (Gemma's multi-query attention) would ask for hundreds.
+_COMBINE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -120,10 +123,11 @@ def _decode_combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, n_heads, he
     tl.store(o_ptr + b * s_ob + h * s_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
 
-def _splits(batch: int, n_kv: int, length: int, block_n: int, sms: int) -> tuple[int, int]:
-    """(splits, keys a split): enough programs to fill ``sms`` multiprocessors, at least one tile a split."""
+def _splits(batch: int, n_kv: int, length: int, block_n: int, block_d: int, sms: int) -> tuple[int, int]:
+    """(splits, keys a split): enough programs to fill ``sms`` multiprocessors, at least one tile a split, at most
+    ``_COMBINE_ELEMENTS // block_d`` splits."""
     tiles = triton.cdiv(length, block_n)
-    n = max(1, min(tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, batch * n_kv)))
+    n = max(1, min(tiles, triton.cdiv(_PROGRAMS_PER_SM * sms, batch * n_kv), _COMBINE_ELEMENTS // block_d))
     chunk = triton.cdiv(tiles, n) * block_n
     return triton.cdiv(length, chunk), chunk
 
@@ -143,7 +147,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
     block_n = _BLOCK_N[block_d <= 128]
-    n_split, chunk = _splits(B, Hkv, L, block_n, sm_count(q.device))
+    n_split, chunk = _splits(B, Hkv, L, block_n, block_d, sm_count(q.device))
     direct = n_split == 1
     rows = 1 if direct else B * Hq * n_split
     acc = torch.empty((rows, D), dtype=torch.float32, device=q.device)

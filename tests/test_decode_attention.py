@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from kernels import decode_attention
 from kernels._common import sm_count
@@ -13,9 +14,10 @@ from kernels.decode_attention import _BLOCK_N, _splits, decode_attention_referen
 from tests.utils import DEVICE, assert_rel, assert_triton_runs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-#: (B, L, Hq, Hkv, D): GQA groups of 1, 3, 4 and 6, head dims that are not powers of two, lengths that leave a
-#: partial tile.
-SHAPES = [(2, 37, 4, 1, 24), (1, 200, 8, 2, 64), (3, 5, 9, 3, 16), (1, 130, 6, 1, 96), (2, 70, 4, 4, 128)]
+#: (B, L, Hq, Hkv, D): GQA groups of 1, 3, 4, 6 and 8, head dims that are not powers of two and 256 (Gemma),
+#: lengths that leave a partial tile.
+SHAPES = [(2, 37, 4, 1, 24), (1, 200, 8, 2, 64), (3, 5, 9, 3, 16), (1, 130, 6, 1, 96), (2, 70, 4, 4, 128),
+          (1, 75, 8, 1, 256)]
 
 
 def _inputs(B, L, Hq, Hkv, D, dtype, seed=0):
@@ -57,10 +59,21 @@ def test_the_shapes_take_both_launch_paths():
     """One split (the output written by the split kernel) and several (their rows combined) are both covered."""
     splits = set()
     for B, L, _, Hkv, D in SHAPES:
-        n, chunk = _splits(B, Hkv, L, _BLOCK_N[max(16, D) <= 128], sm_count(DEVICE))
+        block_d = max(16, triton.next_power_of_2(D))
+        n, chunk = _splits(B, Hkv, L, _BLOCK_N[block_d <= 128], block_d, sm_count(DEVICE))
         assert (n - 1) * chunk < L <= n * chunk
         splits.add(n > 1)
     assert splits == {False, True}
+
+
+@pytest.mark.parametrize("block_d", [64, 128, 256])
+def test_a_long_cache_of_one_kv_head_splits_into_as_many_tiles_as_the_combine_holds(block_d):
+    """132 multiprocessors, a batch of one, one kv head, 131072 slots: the split count stops at what the combine
+    kernel holds in registers (64 at head dim 128, 32 at 256), and the splits still cover the cache once."""
+    L = 131072
+    n, chunk = _splits(1, 1, L, _BLOCK_N[block_d <= 128], block_d, 132)
+    assert n == 8192 // block_d and (n - 1) * chunk < L <= n * chunk
+    assert _splits(1, 8, 384, 64, 128, 132) == (6, 64)  # Llama-3.2-1B's benchmark: one tile a split
 
 
 def test_masked_slots_weigh_nothing_whatever_finite_values_they_hold():
