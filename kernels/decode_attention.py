@@ -25,6 +25,10 @@ Every row needs one allowed slot.
 
 Bytes: the cache reads 2*B*L*Hkv*D*s (s = element size) plus B*L mask bytes; q, the output and the split
 workspace (B*Hq*splits*(D + 2) fp32) are small next to it at any context worth splitting.
+
+On a CPU without the interpreter, and for float64, :func:`decode_attention_reference` runs: the SDPA call that
+generation made before this kernel, so CPU generation keeps its numbers. What the kernel changed end to end:
+docs/performance.md, "Decoding".
 """
 
 from __future__ import annotations
