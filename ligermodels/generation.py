@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import decode_attention
+from kernels.decode_attention import decode_attention_reference
 from ligermodels.attention import AttentionMask, causal_attention, softcap_attention
 from ligermodels.config import DecoderConfig
 from ligermodels.model import CausalLM
@@ -170,16 +171,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
         return o.transpose(1, 2)
     hkv, length = k.shape[2], k.shape[1]
     g = hq // hkv
-    if s == 1 and not torch.is_grad_enabled():  # a decode step: the split kernel, the mask read as it is
-        return decode_attention(q.view(b, hq, d), k, v, allowed.reshape(b, length), scale).view(b, 1, hq, d)
-    if s == 1:
-        qg, m = q.view(b, hkv, g, d), allowed
-    else:
-        qg = q.view(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
-        m = allowed[:, :, None].expand(b, 1, g, s, length).reshape(b, 1, g * s, length)
+    if s == 1:  # a decode step: the split kernel; with gradients its reference, the same layout in one SDPA call
+        attend = decode_attention_reference if torch.is_grad_enabled() else decode_attention
+        return attend(q.view(b, hq, d), k, v, allowed.reshape(b, length), scale).view(b, 1, hq, d)
+    qg = q.view(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
+    m = allowed[:, :, None].expand(b, 1, g, s, length).reshape(b, 1, g * s, length)
     o = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=m, scale=scale)
-    if s == 1:
-        return o.reshape(b, 1, hq, d)
     return o.view(b, hkv, g, s, d).permute(0, 3, 1, 2, 4).reshape(b, s, hq, d)
 
 
