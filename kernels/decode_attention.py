@@ -41,9 +41,8 @@ import triton
 import triton.language as tl
 
 from kernels._common import LIB, eager_op, sm_count, use_triton
+from kernels.attention import _precision
 
-#: Keys a tile: 64 up to head dim 128, 32 beyond (the k and v tiles stay within registers at head dim 256).
-_BLOCK_N = {True: 64, False: 32}
 #: Programs the split count aims at, per multiprocessor.
 _PROGRAMS_PER_SM = 2
 #: Most (splits x padded head dim) the combine kernel holds at once (fp32): 64 splits at head dim 128, 32 at 256.
@@ -56,7 +55,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, o_ptr, acc_ptr, m_ptr, l_p
                          s_qb, s_qh, s_kb, s_kl, s_kh, s_vb, s_vl, s_vh, s_okb, s_ob, s_oh,
                          n_kv, group, head_dim, length, chunk, n_split, qk_scale,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DIRECT: tl.constexpr, IEEE: tl.constexpr):
+                         DIRECT: tl.constexpr, PRECISION: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // n_kv
@@ -79,10 +78,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, o_ptr, acc_ptr, m_ptr, l_p
         ok = tl.load(ok_ptr + b * s_okb + n, mask=n_ok, other=0) != 0
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + b * s_kb + n[:, None] * s_kl + h * s_kh + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # log2 units: scale * log2(e) folded in
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no allowed slot yet: keep every weight 0
@@ -90,11 +86,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, ok_ptr, o_ptr, acc_ptr, m_ptr, l_p
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + b * s_vb + n[:, None] * s_vl + h * s_vh + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     rows = g_ok[:, None] & d_ok[None, :]
     if DIRECT:
@@ -127,6 +119,13 @@ def _decode_combine_kernel(acc_ptr, m_ptr, l_ptr, o_ptr, s_ob, s_oh, n_heads, he
     tl.store(o_ptr + b * s_ob + h * s_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
 
+def _tiles(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N): the head dim padded to a power of two (16 at least, for tl.dot), and the keys a tile: 64
+    up to head dim 128, 32 beyond (the k and v tiles stay within registers at head dim 256)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return block_d, 64 if block_d <= 128 else 32
+
+
 def _splits(batch: int, n_kv: int, length: int, block_n: int, block_d: int, sms: int) -> tuple[int, int]:
     """(splits, keys a split): enough programs to fill ``sms`` multiprocessors, at least one tile a split, at most
     ``_COMBINE_ELEMENTS // block_d`` splits."""
@@ -149,8 +148,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     L, Hkv = k.shape[1], k.shape[2]
     group = Hq // Hkv
     out = torch.empty((B, Hq, D), dtype=q.dtype, device=q.device)
-    block_d = max(16, triton.next_power_of_2(D))
-    block_n = _BLOCK_N[block_d <= 128]
+    block_d, block_n = _tiles(D)
     n_split, chunk = _splits(B, Hkv, L, block_n, block_d, sm_count(q.device))
     direct = n_split == 1
     rows = 1 if direct else B * Hq * n_split
@@ -162,7 +160,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
         v.stride(0), v.stride(1), v.stride(2), allowed.stride(0), out.stride(0), out.stride(1),
         Hkv, group, D, L, chunk, n_split, scale * math.log2(math.e),
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, DIRECT=direct,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        PRECISION=_precision(q), num_warps=4)
     if not direct:
         _decode_combine_kernel[(B * Hq,)](
             acc, m, l_sum, out, out.stride(0), out.stride(1), Hq, D, n_split,

@@ -944,8 +944,8 @@ def _rotate_qkv_host_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
         s1, s2 = -s2, -s1
     for x in _split_heads(qkv, n_q, n_kv)[:2]:
         x1, x2 = _pair_halves(x[..., :rd], interleaved)
-        y1 = x1.to(cd) * c1 - x2.to(cd) * s1  # both computed before either is written: they read x
-        y2 = x2.to(cd) * c2 + x1.to(cd) * s2
+        a1, a2 = x1.to(cd), x2.to(cd)
+        y1, y2 = a1 * c1 - a2 * s1, a2 * c2 + a1 * s2  # both computed before either is written: they read x
         x1.copy_(y1)
         x2.copy_(y2)
     return qkv

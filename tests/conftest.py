@@ -61,9 +61,9 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     """Byte-compile the project's packages once, in the controlling process, before the workers start. Tests start
-    Python processes of their own (trainers, torchrun ranks, the demos), and where PYTHONDONTWRITEBYTECODE is set,
-    as on the project's CI machines, each would compile every project module it imports from source (0.2-0.3 s of
-    the 2.8 s ``import ligermodels.train.loop`` takes on a 2-core CPU). Written pyc files are read even so."""
+    Python processes of their own (trainers, torchrun ranks, the demos), and where PYTHONDONTWRITEBYTECODE is set
+    (it is on the 2-core CPU this suite is timed on) each would compile every project module it imports from source:
+    0.2-0.3 s of the 2.8 s ``import ligermodels.train.loop`` takes there. Written pyc files are read even so."""
     if hasattr(config, "workerinput"):  # an xdist worker: the controller did it
         return
     import compileall

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
 
 from kernels import decode_attention
 from kernels._common import sm_count
-from kernels.decode_attention import _BLOCK_N, _splits, decode_attention_reference
+from kernels.decode_attention import _splits, _tiles, decode_attention_reference
 from tests.utils import DEVICE, assert_rel, assert_triton_runs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -59,19 +58,20 @@ def test_the_shapes_take_both_launch_paths():
     """One split (the output written by the split kernel) and several (their rows combined) are both covered."""
     splits = set()
     for B, L, _, Hkv, D in SHAPES:
-        block_d = max(16, triton.next_power_of_2(D))
-        n, chunk = _splits(B, Hkv, L, _BLOCK_N[block_d <= 128], block_d, sm_count(DEVICE))
+        block_d, block_n = _tiles(D)
+        n, chunk = _splits(B, Hkv, L, block_n, block_d, sm_count(DEVICE))
         assert (n - 1) * chunk < L <= n * chunk
         splits.add(n > 1)
     assert splits == {False, True}
 
 
-@pytest.mark.parametrize("block_d", [64, 128, 256])
-def test_a_long_cache_of_one_kv_head_splits_into_as_many_tiles_as_the_combine_holds(block_d):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_a_long_cache_of_one_kv_head_splits_into_as_many_tiles_as_the_combine_holds(head_dim):
     """132 multiprocessors, a batch of one, one kv head, 131072 slots: the split count stops at what the combine
     kernel holds in registers (64 at head dim 128, 32 at 256), and the splits still cover the cache once."""
     L = 131072
-    n, chunk = _splits(1, 1, L, _BLOCK_N[block_d <= 128], block_d, 132)
+    block_d, block_n = _tiles(head_dim)
+    n, chunk = _splits(1, 1, L, block_n, block_d, 132)
     assert n == 8192 // block_d and (n - 1) * chunk < L <= n * chunk
     assert _splits(1, 8, 384, 64, 128, 132) == (6, 64)  # Llama-3.2-1B's benchmark: one tile a split
 
