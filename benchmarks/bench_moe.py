@@ -9,9 +9,11 @@ same run, for the fewest bytes each op must move):
 
 * ``route``: ``kernels.moe``'s fused softmax + top-k + renormalisation on the (T, E) logits, against the same in
   eager PyTorch (what transformers runs). Bytes: the logits read, fp32 weights and int32 ids written.
-* ``permute``: sorting the T*k picks by expert, their positions and group ends, and ``expand`` writing each token's
-  k rows: everything between the routing and the first grouped GEMM. Bytes: x read once, T*k rows written. Against
-  eager PyTorch's ``argsort`` + ``index_select``.
+* ``permute``: the T*k picks' rows in their sort by expert, the group ends and the weights in row order (the
+  placement kernels), and ``expand`` writing each token's k rows: everything between the routing and the first
+  grouped GEMM. Bytes: x read once, T*k rows written, the ids read. Against the same with ``torch.sort`` for the
+  placement (``kernels.moe.sort_picks`` and a gather of the weights, impl ``ligermodels-torch-sort``) and eager
+  PyTorch's ``argsort`` + ``index_select``.
 * ``expand`` alone: the permutation's copy without the sort. Bytes: x read once, T*k rows written.
 * ``combine``: each token's k rows summed (fp32) into its output row. Bytes: T*k rows read, T rows written. Against
   eager ``index_add_`` in fp32 and a cast.
@@ -43,13 +45,13 @@ SHAPES = {"qwen3-30b-a3b": (2048, 128, 768, 8, True, "qwen3_moe"),
 
 def _routed(tokens: int, hidden: int, experts: int, k: int, norm: bool):
     """(x, logits, weights, ids, pos, offs) of random tokens through a random router."""
-    from kernels.moe import RouteFunction, sort_picks
+    from kernels.moe import PlaceFunction, RouteFunction
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     router = torch.randn(experts, hidden, device="cuda", dtype=torch.bfloat16) * hidden ** -0.5
     logits = F.linear(x, router)
     weights, ids = RouteFunction.apply(logits, k, norm)
-    _, pos, offs = sort_picks(ids, experts)
+    pos, _, offs = PlaceFunction.apply(ids, weights, experts)
     return x, router, logits, weights, ids, pos, offs
 
 
@@ -58,10 +60,11 @@ def _row(base: dict, pas: str, fn, nbytes: int, copy_gbs: float) -> dict:
 
 
 def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
-    from kernels.moe import _combine, _expand, _route_fwd, sort_picks
+    from kernels.moe import _combine, _expand, _place, _route_fwd, sort_picks
 
     hidden, experts, inter, k, norm, _ = SHAPES[name]
-    x, _, logits, _, ids, pos, _ = _routed(tokens, hidden, experts, k, norm)
+    x, _, logits, weights, ids, pos, _ = _routed(tokens, hidden, experts, k, norm)
+    weights = weights.detach()
     shape = f"{name}: T {tokens}, H {hidden}, E {experts}, k {k}"
     rows = []
 
@@ -76,25 +79,29 @@ def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
                          route_bytes, copy_gbs))
 
     def ours_permute():
-        _, p, offs = sort_picks(ids, experts)
-        return _expand(x, p), offs
+        p, w_sorted, offs = _place(ids, weights, experts)
+        return _expand(x, p), w_sorted, offs
 
-    _, p0, _ = sort_picks(ids, experts)
+    def torch_sort_permute():
+        order, p, offs = sort_picks(ids, experts)
+        return _expand(x, p), weights.reshape(-1)[order], offs
+
     rows.append(_row({"op": "expand", "shape": shape, "dtype": "bfloat16", "impl": "ligermodels"}, "fwd",
-                     lambda: _expand(x, p0), tokens * hidden * 2 * (1 + k), copy_gbs))
+                     lambda: _expand(x, pos), tokens * hidden * 2 * (1 + k), copy_gbs))
 
     def eager_permute():
         order = torch.argsort(ids.reshape(-1), stable=True)
         return x.index_select(0, order // k)
 
     permute_bytes = tokens * hidden * 2 * (1 + k) + tokens * k * 4
-    for impl, fn in (("ligermodels", ours_permute), ("torch-eager", eager_permute)):
+    for impl, fn in (("ligermodels", ours_permute), ("ligermodels-torch-sort", torch_sort_permute),
+                     ("torch-eager", eager_permute)):
         rows.append(_row({"op": "permute", "shape": shape, "dtype": "bfloat16", "impl": impl}, "fwd", fn,
                          permute_bytes, copy_gbs))
 
     y = torch.randn(tokens * k, hidden, device="cuda", dtype=torch.bfloat16)
-    token = torch.empty_like(pos).view(-1).scatter_(0, pos.view(-1), torch.arange(tokens, device="cuda")
-                                                    .repeat_interleave(k))
+    token = torch.empty(tokens * k, dtype=torch.long, device="cuda").scatter_(
+        0, pos.view(-1).long(), torch.arange(tokens, device="cuda").repeat_interleave(k))
 
     def eager_combine():
         out = torch.zeros(tokens, hidden, device="cuda", dtype=torch.float32)

@@ -16,8 +16,11 @@ experts in Python:
 1. ``route``: one Triton kernel takes the (T, E) logits to fp32 softmax, top-k (ties to the lower expert id) and the
    renormalisation: (T, k) fp32 weights and int32 expert ids. Its backward needs only the weights and ids when
    ``norm_topk`` (the renormalised weights are the softmax of the k picked logits), the logits otherwise.
-2. The M pairs are sorted by expert (``torch.sort``, stable); ``pos[t, j]`` is pair (t, j)'s row in that order and
-   ``offs[e]`` the end of expert e's rows (``searchsorted``): device tensors, never read on the host.
+2. ``place``: the M pairs' rows in their stable sort by expert, from two Triton kernels: each program counts its
+   span of picks per expert, then each program sums the counts of the spans before its own and ranks its picks
+   within their experts. ``pos[t, j]`` is pair (t, j)'s row, ``offs[e]`` the end of expert e's rows, and the
+   weights are written in row order: device tensors, never read on the host (``sort_picks``, ``torch.sort``, is
+   the reference).
 3. ``expand``: x's rows copied to their k sorted rows (one read of x, k writes), the permutation.
 4. Grouped GEMMs (``torch._grouped_mm``, CUTLASS on sm90) for gate/up and down over the sorted rows.
 5. ``scaled_glu``: ``act(gate) * up * p`` in fp32, rounded once: the routing weight is applied here, to the down
@@ -187,6 +190,48 @@ def _route_bwd_kernel(dw_ptr, w_ptr, id_ptr, l_ptr, dl_ptr, n_tokens, n_experts,
 
 
 @triton.jit
+def _count_kernel(id_ptr, cnt_ptr, n_picks, SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """cnt[b, e]: how many of program b's SPAN picks (flat (T*k,) ids from b * SPAN) go to expert e."""
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    n = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for c in range(0, SPAN, BLOCK_M):
+        m = b * SPAN + c + tl.arange(0, BLOCK_M)
+        e = tl.load(id_ptr + m, mask=m < n_picks, other=-1)
+        n += tl.sum((e[:, None] == cols[None, :]).to(tl.int32), axis=0)
+    tl.store(cnt_ptr + b * BLOCK_E + cols, n)
+
+
+@triton.jit
+def _place_kernel(id_ptr, w_ptr, cnt_ptr, pos_ptr, ws_ptr, offs_ptr, n_picks, n_spans, n_experts,
+                  SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Each pick's row in the stable sort by expert: the rows of the experts before its own, plus its expert's picks
+    in the spans before its own (both summed from ``cnt``), plus those before it in its span. Writes pos[m] = that
+    row, ws[row] = w[m], and (program 0) offs[e] = expert e's end row."""
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for b0 in range(0, n_spans, BLOCK_B):
+        rows = b0 + tl.arange(0, BLOCK_B)[:, None]
+        c = tl.load(cnt_ptr + rows * BLOCK_E + cols[None, :], mask=rows < n_spans, other=0)
+        total += tl.sum(c, axis=0)
+        before += tl.sum(tl.where(rows < b, c, 0), axis=0)
+    if b == 0:
+        tl.store(offs_ptr + cols, tl.cumsum(total, axis=0), mask=cols < n_experts)
+    base = tl.cumsum(total, axis=0) - total + before  # each expert's next free row
+    for c in range(0, SPAN, BLOCK_M):
+        m = b * SPAN + c + tl.arange(0, BLOCK_M)
+        mmask = m < n_picks
+        e = tl.load(id_ptr + m, mask=mmask, other=-1)
+        hits = (e[:, None] == cols[None, :]).to(tl.int32)
+        row = tl.sum(hits * (tl.cumsum(hits, axis=0) + base[None, :]), axis=1) - 1
+        base += tl.sum(hits, axis=0)
+        tl.store(pos_ptr + m, row, mask=mmask)
+        tl.store(ws_ptr + row, tl.load(w_ptr + m, mask=mmask), mask=mmask)
+
+
+@triton.jit
 def _expand_kernel(x_ptr, pos_ptr, o_ptr, n_cols, K: tl.constexpr, BLOCK: tl.constexpr):
     """o[pos[t, j]] = x[t] for each of token t's K rows (rows of n_cols, contiguous)."""
     t = tl.program_id(0).to(tl.int64)
@@ -286,6 +331,35 @@ def _route_bwd(dweights: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 def _row_tile(cols: int) -> tuple[int, int]:
     block = min(row_block(cols), 4096)
     return block, max(1, min(8, block // 256))
+
+
+def _place_tile(picks: int, experts: int) -> dict:
+    """Tiles of the placement kernels: a (BLOCK_M, BLOCK_E) one-hot of 8192 elements a step, and spans of whole
+    steps sized for about 128 programs (one wave), so that each program's sum over the earlier spans' counts reads
+    about 128 x E values."""
+    block_e = row_block(experts)
+    block_m = max(16, min(1024, 8192 // block_e))
+    span = max(block_m, triton.next_power_of_2(triton.cdiv(picks, 128)))
+    return {"SPAN": span, "BLOCK_M": block_m, "BLOCK_E": block_e}
+
+
+@eager_op
+@triton_op(f"{LIB}::moe_place", mutates_args={})
+def _place(ids: torch.Tensor, weights: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stable sort of the (T, k) int32 expert ids by expert, as placements: (pos (T, k) int32, each pick's
+    row; w_sorted (T*k,), the weights in row order; offs (E,) int32, each expert's end row)."""
+    m = ids.numel()
+    pos = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
+    w_sorted = torch.empty(m, dtype=weights.dtype, device=weights.device)
+    offs = (torch.empty if m else torch.zeros)(experts, dtype=torch.int32, device=ids.device)
+    if m:
+        tile = _place_tile(m, experts)
+        spans = triton.cdiv(m, tile["SPAN"])
+        counts = torch.empty(spans, tile["BLOCK_E"], dtype=torch.int32, device=ids.device)
+        wrap_triton(_count_kernel)[(spans,)](ids, counts, m, **tile, num_warps=4)
+        wrap_triton(_place_kernel)[(spans,)](ids, weights, counts, pos, w_sorted, offs, m, spans, experts, **tile,
+                                             BLOCK_B=max(1, 4096 // tile["BLOCK_E"]), num_warps=4)
+    return pos, w_sorted, offs
 
 
 @eager_op
@@ -410,8 +484,9 @@ def grouped_linear_weight_grad(dy: torch.Tensor, x: torch.Tensor, offs: torch.Te
 
 
 def sort_picks(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The permutation of the (T, k) expert ids ``ids`` (module docstring, step 2), on the device: (order (T*k,):
-    the pick t * k + j of each sorted row, pos (T, k): each pick's row, offs (E,) int32: each expert's end row)."""
+    """The permutation of the (T, k) expert ids ``ids`` by ``torch.sort`` (stable), the reference of the placement
+    kernels: (order (T*k,): the pick t * k + j of each sorted row, pos (T, k): each pick's row, offs (E,) int32:
+    each expert's end row)."""
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
     offs = torch.searchsorted(sorted_ids, torch.arange(experts, device=ids.device, dtype=sorted_ids.dtype),
@@ -435,6 +510,24 @@ class RouteFunction(torch.autograd.Function):
     def backward(ctx, dweights: torch.Tensor, _dids):
         weights, ids, logits = ctx.saved_tensors
         return _route_bwd(dweights, weights, ids, logits, ctx.norm_topk), None, None
+
+
+class PlaceFunction(torch.autograd.Function):
+    """``forward(ids (T, k) int32, weights (T, k), experts)`` -> (pos (T, k) int32, w_sorted (T*k,), offs (E,)
+    int32): the placement kernels (module docstring, step 2). Only w_sorted is differentiable: the gradient of
+    weights[t, j] is that of w_sorted[pos[t, j]], a gather."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weights: torch.Tensor, experts: int):
+        pos, w_sorted, offs = _place(ids, weights.contiguous(), experts)
+        ctx.mark_non_differentiable(pos, offs)
+        ctx.save_for_backward(pos)
+        return pos, w_sorted, offs
+
+    @staticmethod
+    def backward(ctx, _dpos, dw_sorted: torch.Tensor, _doffs):
+        (pos,) = ctx.saved_tensors
+        return None, dw_sorted.index_select(0, pos.view(-1)).view(pos.shape), None
 
 
 class ExpertsFunction(torch.autograd.Function):
@@ -487,8 +580,8 @@ def moe_mlp(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor,
     x = x.contiguous()
     logits = router_logits(x, router_weight)
     weights, ids = RouteFunction.apply(logits, top_k, norm_topk)
-    order, pos, offs = sort_picks(ids, e)
-    out = ExpertsFunction.apply(x, weights.reshape(-1)[order], pos, offs, gate_up, down, _ACT_IDS[activation])
+    pos, w_sorted, offs = PlaceFunction.apply(ids, weights, e)
+    out = ExpertsFunction.apply(x, w_sorted, pos, offs, gate_up, down, _ACT_IDS[activation])
     return out, logits
 
 

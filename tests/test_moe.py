@@ -146,6 +146,32 @@ def test_routing_kernel_picks_what_torch_topk_picks_and_breaks_ties_to_the_lower
         assert rel_err(weights, expected) <= 1e-6
 
 
+@pytest.mark.parametrize("t, k, e, skew", [
+    (1, 1, 1, False), (7, 2, 8, False), (513, 3, 5, False), (300, 8, 128, True), (2000, 8, 128, False),
+    (4100, 2, 8, True), (64, 4, 60, False)])
+def test_placement_kernels_give_the_rows_of_torchs_stable_sort_by_expert(t, k, e, skew):
+    """Positions, weights in row order and group ends equal ``torch.sort``'s (stable) exactly: one pick, experts
+    without picks (skew: every pick among the first 3 experts), E not a power of two, and spans of several steps with
+    more spans than one load of counts (2000 x 8 picks at 128 experts; 4100 x 2 at 8)."""
+    g = torch.Generator().manual_seed(t)
+    if skew:
+        ids = torch.stack([torch.randperm(3, generator=g)[:k] if k <= 3 else torch.randint(0, 3, (k,), generator=g)
+                           for _ in range(t)])
+    else:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    ids = ids.to(torch.int32).to(DEVICE)
+    weights = torch.rand(t, k, generator=g).to(DEVICE).requires_grad_()
+    assert_triton_runs(weights)
+    pos, w_sorted, offs = kernels.moe.PlaceFunction.apply(ids, weights, e)
+    order, expected_pos, expected_offs = kernels.moe.sort_picks(ids, e)
+    assert pos.dtype == offs.dtype == torch.int32
+    assert torch.equal(pos.long(), expected_pos) and torch.equal(offs, expected_offs)
+    assert torch.equal(w_sorted, weights.detach().reshape(-1)[order])
+    dw = torch.randn(t * k, generator=g).to(DEVICE)
+    w_sorted.backward(dw)
+    assert torch.equal(weights.grad.reshape(-1)[order], dw)
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisation is a CUDA notion")
 def test_moe_kernel_path_never_synchronises_with_the_host():
     args = [a.to(torch.bfloat16).cuda().requires_grad_() for a in _moe_args(300, 256, 128, 16, 0)]
