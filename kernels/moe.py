@@ -16,11 +16,10 @@ experts in Python:
 1. ``route``: one Triton kernel takes the (T, E) logits to fp32 softmax, top-k (ties to the lower expert id) and the
    renormalisation: (T, k) fp32 weights and int32 expert ids. Its backward needs only the weights and ids when
    ``norm_topk`` (the renormalised weights are the softmax of the k picked logits), the logits otherwise.
-2. ``place``: the M pairs' rows in their stable sort by expert, from two Triton kernels: each program counts its
-   span of picks per expert, then each program sums the counts of the spans before its own and ranks its picks
-   within their experts. ``pos[t, j]`` is pair (t, j)'s row, ``offs[e]`` the end of expert e's rows, and the
-   weights are written in row order: device tensors, never read on the host (``sort_picks``, ``torch.sort``, is
-   the reference).
+2. ``place``: the M pairs' rows in their stable sort by expert, from one Triton kernel of a program per expert,
+   which counts the picks of lower experts and ranks its own by a scan over the ids. ``pos[t, j]`` is pair (t, j)'s
+   row, ``offs[e]`` the end of expert e's rows, and the weights are written in row order: device tensors, never
+   read on the host (``sort_picks``, ``torch.sort``, is the reference).
 3. ``expand``: x's rows copied to their k sorted rows (one read of x, k writes), the permutation.
 4. Grouped GEMMs (``torch._grouped_mm``, CUTLASS on sm90) for gate/up and down over the sorted rows.
 5. ``scaled_glu``: ``act(gate) * up * p`` in fp32, rounded once: the routing weight is applied here, to the down
@@ -190,45 +189,25 @@ def _route_bwd_kernel(dw_ptr, w_ptr, id_ptr, l_ptr, dl_ptr, n_tokens, n_experts,
 
 
 @triton.jit
-def _count_kernel(id_ptr, cnt_ptr, n_picks, SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """cnt[b, e]: how many of program b's SPAN picks (flat (T*k,) ids from b * SPAN) go to expert e."""
-    b = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    n = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for c in range(0, SPAN, BLOCK_M):
-        m = b * SPAN + c + tl.arange(0, BLOCK_M)
-        e = tl.load(id_ptr + m, mask=m < n_picks, other=-1)
-        n += tl.sum((e[:, None] == cols[None, :]).to(tl.int32), axis=0)
-    tl.store(cnt_ptr + b * BLOCK_E + cols, n)
-
-
-@triton.jit
-def _place_kernel(id_ptr, w_ptr, cnt_ptr, pos_ptr, ws_ptr, offs_ptr, n_picks, n_spans, n_experts,
-                  SPAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Each pick's row in the stable sort by expert: the rows of the experts before its own, plus its expert's picks
-    in the spans before its own (both summed from ``cnt``), plus those before it in its span. Writes pos[m] = that
-    row, ws[row] = w[m], and (program 0) offs[e] = expert e's end row."""
-    b = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_E)
-    total = tl.zeros([BLOCK_E], dtype=tl.int32)
-    before = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for b0 in range(0, n_spans, BLOCK_B):
-        rows = b0 + tl.arange(0, BLOCK_B)[:, None]
-        c = tl.load(cnt_ptr + rows * BLOCK_E + cols[None, :], mask=rows < n_spans, other=0)
-        total += tl.sum(c, axis=0)
-        before += tl.sum(tl.where(rows < b, c, 0), axis=0)
-    if b == 0:
-        tl.store(offs_ptr + cols, tl.cumsum(total, axis=0), mask=cols < n_experts)
-    base = tl.cumsum(total, axis=0) - total + before  # each expert's next free row
-    for c in range(0, SPAN, BLOCK_M):
-        m = b * SPAN + c + tl.arange(0, BLOCK_M)
-        mmask = m < n_picks
-        e = tl.load(id_ptr + m, mask=mmask, other=-1)
-        hits = (e[:, None] == cols[None, :]).to(tl.int32)
-        row = tl.sum(hits * (tl.cumsum(hits, axis=0) + base[None, :]), axis=1) - 1
-        base += tl.sum(hits, axis=0)
-        tl.store(pos_ptr + m, row, mask=mmask)
-        tl.store(ws_ptr + row, tl.load(w_ptr + m, mask=mmask), mask=mmask)
+def _place_kernel(id_ptr, w_ptr, pos_ptr, ws_ptr, offs_ptr, n_picks, BLOCK: tl.constexpr):
+    """Program e places expert e's picks (flat (T*k,) ids) at their rows in the stable sort by expert: after the
+    rows of every pick of a lower expert, in pick order. Writes pos[m] = row and ws[row] = w[m] for those picks,
+    and offs[e] = expert e's end row. Two passes over the ids: count the picks of lower experts, then rank."""
+    e = tl.program_id(0)
+    below = tl.zeros([BLOCK], dtype=tl.int32)
+    for m0 in range(0, n_picks, BLOCK):
+        m = m0 + tl.arange(0, BLOCK)
+        below += (tl.load(id_ptr + m, mask=m < n_picks, other=e) < e).to(tl.int32)
+    row = tl.sum(below, axis=0)
+    for m0 in range(0, n_picks, BLOCK):
+        m = m0 + tl.arange(0, BLOCK)
+        hit = tl.load(id_ptr + m, mask=m < n_picks, other=-1) == e
+        rank = tl.cumsum(hit.to(tl.int32), axis=0)
+        r = row + rank - 1
+        tl.store(pos_ptr + m, r, mask=hit)
+        tl.store(ws_ptr + r, tl.load(w_ptr + m, mask=hit), mask=hit)
+        row += tl.max(rank, axis=0)
+    tl.store(offs_ptr + e, row)
 
 
 @triton.jit
@@ -333,14 +312,10 @@ def _row_tile(cols: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
-def _place_tile(picks: int, experts: int) -> dict:
-    """Tiles of the placement kernels: a (BLOCK_M, BLOCK_E) one-hot of 8192 elements a step, and spans of whole
-    steps sized for about 128 programs (one wave), so that each program's sum over the earlier spans' counts reads
-    about 128 x E values."""
-    block_e = row_block(experts)
-    block_m = max(16, min(1024, 8192 // block_e))
-    span = max(block_m, triton.next_power_of_2(triton.cdiv(picks, 128)))
-    return {"SPAN": span, "BLOCK_M": block_m, "BLOCK_E": block_e}
+def _place_tile(picks: int) -> dict:
+    """Picks a step of a placement program: a (BLOCK,) scan of at most 4096, over 8 warps from 2048 up."""
+    block = min(4096, row_block(picks))
+    return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
 
 
 @eager_op
@@ -353,12 +328,7 @@ def _place(ids: torch.Tensor, weights: torch.Tensor, experts: int) -> tuple[torc
     w_sorted = torch.empty(m, dtype=weights.dtype, device=weights.device)
     offs = (torch.empty if m else torch.zeros)(experts, dtype=torch.int32, device=ids.device)
     if m:
-        tile = _place_tile(m, experts)
-        spans = triton.cdiv(m, tile["SPAN"])
-        counts = torch.empty(spans, tile["BLOCK_E"], dtype=torch.int32, device=ids.device)
-        wrap_triton(_count_kernel)[(spans,)](ids, counts, m, **tile, num_warps=4)
-        wrap_triton(_place_kernel)[(spans,)](ids, weights, counts, pos, w_sorted, offs, m, spans, experts, **tile,
-                                             BLOCK_B=max(1, 4096 // tile["BLOCK_E"]), num_warps=4)
+        wrap_triton(_place_kernel)[(experts,)](ids, weights, pos, w_sorted, offs, m, **_place_tile(m))
     return pos, w_sorted, offs
 
 

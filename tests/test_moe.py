@@ -151,8 +151,8 @@ def test_routing_kernel_picks_what_torch_topk_picks_and_breaks_ties_to_the_lower
     (4100, 2, 8, True), (64, 4, 60, False)])
 def test_placement_kernels_give_the_rows_of_torchs_stable_sort_by_expert(t, k, e, skew):
     """Positions, weights in row order and group ends equal ``torch.sort``'s (stable) exactly: one pick, experts
-    without picks (skew: every pick among the first 3 experts), E not a power of two, and spans of several steps with
-    more spans than one load of counts (2000 x 8 picks at 128 experts; 4100 x 2 at 8)."""
+    without picks (skew: every pick among the first 3 experts), E not a power of two, and several scan steps of
+    4096 picks, the last one partial (2000 x 8 picks; 4100 x 2)."""
     g = torch.Generator().manual_seed(t)
     if skew:
         ids = torch.stack([torch.randperm(3, generator=g)[:k] if k <= 3 else torch.randint(0, 3, (k,), generator=g)
