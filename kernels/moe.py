@@ -16,10 +16,11 @@ experts in Python:
 1. ``route``: one Triton kernel takes the (T, E) logits to fp32 softmax, top-k (ties to the lower expert id) and the
    renormalisation: (T, k) fp32 weights and int32 expert ids. Its backward needs only the weights and ids when
    ``norm_topk`` (the renormalised weights are the softmax of the k picked logits), the logits otherwise.
-2. ``place``: the M pairs' rows in their stable sort by expert, from one Triton kernel of a program per expert,
-   which counts the picks of lower experts and ranks its own by a scan over the ids. ``pos[t, j]`` is pair (t, j)'s
-   row, ``offs[e]`` the end of expert e's rows, and the weights are written in row order: device tensors, never
-   read on the host (``sort_picks``, ``torch.sort``, is the reference).
+2. ``place``: the M pairs' rows in their stable sort by expert, from two Triton kernels over chunks of 1024 picks:
+   a histogram of each chunk's experts, then each chunk sorted by (expert, pick) in registers, a pick's row being
+   its place there shifted by its expert's rows in the other chunks and experts (from the histograms). ``pos[t,
+   j]`` is pair (t, j)'s row, ``offs[e]`` the end of expert e's rows, and the weights are written in row order:
+   device tensors, never read on the host (``sort_picks``, ``torch.sort``, is the reference).
 3. ``expand``: x's rows copied to their k sorted rows (one read of x, k writes), the permutation.
 4. Grouped GEMMs (``torch._grouped_mm``, CUTLASS on sm90) for gate/up and down over the sorted rows.
 5. ``scaled_glu``: ``act(gate) * up * p`` in fp32, rounded once: the routing weight is applied here, to the down
@@ -189,25 +190,46 @@ def _route_bwd_kernel(dw_ptr, w_ptr, id_ptr, l_ptr, dl_ptr, n_tokens, n_experts,
 
 
 @triton.jit
-def _place_kernel(id_ptr, w_ptr, pos_ptr, ws_ptr, offs_ptr, n_picks, BLOCK: tl.constexpr):
-    """Program e places expert e's picks (flat (T*k,) ids) at their rows in the stable sort by expert: after the
-    rows of every pick of a lower expert, in pick order. Writes pos[m] = row and ws[row] = w[m] for those picks,
-    and offs[e] = expert e's end row. Two passes over the ids: count the picks of lower experts, then rank."""
-    e = tl.program_id(0)
-    below = tl.zeros([BLOCK], dtype=tl.int32)
-    for m0 in range(0, n_picks, BLOCK):
-        m = m0 + tl.arange(0, BLOCK)
-        below += (tl.load(id_ptr + m, mask=m < n_picks, other=e) < e).to(tl.int32)
-    row = tl.sum(below, axis=0)
-    for m0 in range(0, n_picks, BLOCK):
-        m = m0 + tl.arange(0, BLOCK)
-        hit = tl.load(id_ptr + m, mask=m < n_picks, other=-1) == e
-        rank = tl.cumsum(hit.to(tl.int32), axis=0)
-        r = row + rank - 1
-        tl.store(pos_ptr + m, r, mask=hit)
-        tl.store(ws_ptr + r, tl.load(w_ptr + m, mask=hit), mask=hit)
-        row += tl.max(rank, axis=0)
-    tl.store(offs_ptr + e, row)
+def _count_kernel(id_ptr, cnt_ptr, n_picks, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """cnt[s, e]: how many of the picks s * BLOCK ... (s + 1) * BLOCK - 1 (flat (T*k,) ids) go to expert e."""
+    s = tl.program_id(0)
+    m = s * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(id_ptr + m, mask=m < n_picks, other=0)
+    pad = tl.maximum(s * BLOCK + BLOCK - n_picks, 0)  # past the end: counted as expert 0, taken off again
+    cols = tl.arange(0, BLOCK_E)
+    tl.store(cnt_ptr + s * BLOCK_E + cols, tl.histogram(e, BLOCK_E) - tl.where(cols == 0, pad, 0))
+
+
+@triton.jit
+def _place_kernel(id_ptr, w_ptr, cnt_ptr, pos_ptr, ws_ptr, offs_ptr, n_picks, n_chunks, n_experts,
+                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Each pick's row in the stable sort by expert, for program s's chunk of BLOCK picks: the chunk sorted by
+    (expert, pick), a pick's place in that order, plus, for its expert, the rows of lower experts and its picks in
+    earlier chunks less the chunk's picks of lower experts (all from ``cnt``). Writes pos[m] = row, ws[row] = w[m],
+    and (program 0) offs[e] = expert e's end row."""
+    s = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, n_chunks, BLOCK_S):
+        rows = s0 + tl.arange(0, BLOCK_S)[:, None]
+        c = tl.load(cnt_ptr + rows * BLOCK_E + cols[None, :], mask=rows < n_chunks, other=0)
+        total += tl.sum(c, axis=0)
+        before += tl.sum(tl.where(rows < s, c, 0), axis=0)
+    if s == 0:
+        tl.store(offs_ptr + cols, tl.cumsum(total, axis=0), mask=cols < n_experts)
+    mine = tl.load(cnt_ptr + s * BLOCK_E + cols)
+    shift = tl.cumsum(total, axis=0) - total + before - (tl.cumsum(mine, axis=0) - mine)
+    i = tl.arange(0, BLOCK)
+    m = s * BLOCK + i
+    e = tl.load(id_ptr + m, mask=m < n_picks, other=BLOCK_E)  # past the end: sorted last, not stored
+    key = tl.sort(e * BLOCK + i)
+    e = key // BLOCK
+    m = s * BLOCK + key % BLOCK
+    row = i + tl.gather(shift, tl.minimum(e, BLOCK_E - 1), axis=0)
+    keep = e < BLOCK_E
+    tl.store(pos_ptr + m, row, mask=keep)
+    tl.store(ws_ptr + row, tl.load(w_ptr + m, mask=keep), mask=keep)
 
 
 @triton.jit
@@ -312,10 +334,12 @@ def _row_tile(cols: int) -> tuple[int, int]:
     return block, max(1, min(8, block // 256))
 
 
-def _place_tile(picks: int) -> dict:
-    """Picks a step of a placement program: a (BLOCK,) scan of at most 4096, over 8 warps from 2048 up."""
-    block = min(4096, row_block(picks))
-    return {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
+def _place_tile(picks: int, experts: int) -> dict:
+    """Chunks of the placement kernels: 1024 picks (fewer for fewer picks), 4 warps; BLOCK_S chunks' counts a
+    load."""
+    block_e = row_block(experts)
+    return {"BLOCK": min(1024, row_block(picks)), "BLOCK_E": block_e, "BLOCK_S": max(1, 4096 // block_e),
+            "num_warps": 4}
 
 
 @eager_op
@@ -328,7 +352,12 @@ def _place(ids: torch.Tensor, weights: torch.Tensor, experts: int) -> tuple[torc
     w_sorted = torch.empty(m, dtype=weights.dtype, device=weights.device)
     offs = (torch.empty if m else torch.zeros)(experts, dtype=torch.int32, device=ids.device)
     if m:
-        wrap_triton(_place_kernel)[(experts,)](ids, weights, pos, w_sorted, offs, m, **_place_tile(m))
+        tile = _place_tile(m, experts)
+        chunks = triton.cdiv(m, tile["BLOCK"])
+        counts = torch.empty(chunks, tile["BLOCK_E"], dtype=torch.int32, device=ids.device)
+        wrap_triton(_count_kernel)[(chunks,)](ids, counts, m, BLOCK=tile["BLOCK"], BLOCK_E=tile["BLOCK_E"],
+                                              num_warps=tile["num_warps"])
+        wrap_triton(_place_kernel)[(chunks,)](ids, weights, counts, pos, w_sorted, offs, m, chunks, experts, **tile)
     return pos, w_sorted, offs
 
 
