@@ -14,6 +14,10 @@ same run, for the fewest bytes each op must move):
   grouped GEMM. Bytes: x read once, T*k rows written, the ids read. Against the same with ``torch.sort`` for the
   placement (``kernels.moe.sort_picks`` and a gather of the weights, impl ``ligermodels-torch-sort``) and eager
   PyTorch's ``argsort`` + ``index_select``.
+* ``place`` alone: the placement kernels (positions, weights in row order, group ends) at the chunk size
+  ``kernels.moe`` picks and at 256, 512 and 1024 picks a chunk (``chunk``), against ``sort_picks`` and a gather of
+  the weights (``ligermodels-torch-sort``). Bytes: the ids read twice and the weights once, positions and weights
+  written.
 * ``expand`` alone: the permutation's copy without the sort. Bytes: x read once, T*k rows written.
 * ``combine``: each token's k rows summed (fp32) into its output row. Bytes: T*k rows read, T rows written. Against
   eager ``index_add_`` in fp32 and a cast.
@@ -32,11 +36,14 @@ Writes ``results/moe-<gpu>-<date>.json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn.functional as F
 
+import kernels.moe
 from benchmarks.common import copy_bandwidth_gbs, environment, time_fwd_bwd, timed_pass, timing_row, write_results
+from kernels._common import row_block
 
 #: name: (hidden, experts, intermediate, top_k, norm_topk, transformers model_type)
 SHAPES = {"qwen3-30b-a3b": (2048, 128, 768, 8, True, "qwen3_moe"),
@@ -53,6 +60,17 @@ def _routed(tokens: int, hidden: int, experts: int, k: int, norm: bool):
     weights, ids = RouteFunction.apply(logits, k, norm)
     pos, _, offs = PlaceFunction.apply(ids, weights, experts)
     return x, router, logits, weights, ids, pos, offs
+
+
+@contextlib.contextmanager
+def _place_chunk(block: int):
+    """``kernels.moe._place`` with chunks of ``block`` picks inside the block."""
+    pick = kernels.moe._place_tile
+    kernels.moe._place_tile = lambda picks, experts: dict(pick(picks, experts), BLOCK=min(block, row_block(picks)))
+    try:
+        yield
+    finally:
+        kernels.moe._place_tile = pick
 
 
 def _row(base: dict, pas: str, fn, nbytes: int, copy_gbs: float) -> dict:
@@ -86,6 +104,15 @@ def data_movement_rows(name: str, tokens: int, copy_gbs: float) -> list[dict]:
         order, p, offs = sort_picks(ids, experts)
         return _expand(x, p), weights.reshape(-1)[order], offs
 
+    place_bytes = tokens * k * 4 * 5  # ids read twice, weights read, positions and weights written
+    tile = kernels.moe._place_tile(ids.numel(), experts)
+    for impl, block in (("ligermodels", tile["BLOCK"]), *((f"ligermodels-chunk-{b}", b) for b in (256, 512, 1024))):
+        with _place_chunk(block):
+            rows.append(_row({"op": "place", "shape": shape, "dtype": "bfloat16", "impl": impl, "chunk": block}, "fwd",
+                             lambda: _place(ids, weights, experts), place_bytes, copy_gbs))
+    rows.append(_row({"op": "place", "shape": shape, "dtype": "bfloat16", "impl": "ligermodels-torch-sort"}, "fwd",
+                     lambda: (lambda o, p, offs: (p, weights.reshape(-1)[o], offs))(*sort_picks(ids, experts)),
+                     place_bytes, copy_gbs))
     rows.append(_row({"op": "expand", "shape": shape, "dtype": "bfloat16", "impl": "ligermodels"}, "fwd",
                      lambda: _expand(x, pos), tokens * hidden * 2 * (1 + k), copy_gbs))
 

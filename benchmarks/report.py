@@ -1107,18 +1107,32 @@ def moe_kernels_table(d: dict) -> str:
     lines = [f"Mixture-of-experts kernels, bf16, {d['tokens']} tokens through one sparse layer, on {d['gpu']}; kernel "
              f"times (GPU time after an L2 flush, host excluded). Copy bandwidth measured in the same run: "
              f"{d['copy_gbs']:.0f} GB/s.", "",
-             "| op | shape | ours, ms | ours, % of copy bandwidth | ours, % of a same-size copy | eager PyTorch, ms |",
-             "|---|---|---|---|---|---|"]
+             "| op | shape | ours, ms | ours, % of copy bandwidth | ours, % of a same-size copy | with `torch.sort` "
+             "placing the picks, ms | eager PyTorch, ms |",
+             "|---|---|---|---|---|---|---|"]
     by = defaultdict(dict)
     for r in rows:
         by[(r["op"], r["shape"], r.get("pass"))][r["impl"]] = r
+
+    def ms(r: dict | None) -> str:
+        return "-" if not r else format(r["ms"], ".3f")
+
     for (op, shape, _), impls in by.items():
         ours = impls.get("ligermodels")
-        if op not in ("route", "permute", "expand", "combine") or not ours:
+        if op not in ("route", "place", "permute", "expand", "combine") or not ours:
             continue
-        eager = impls.get("torch-eager")
         lines.append(f"| {op} | {shape} | {ours['ms']:.3f} | {100 * ours['frac_copy_bw']:.0f}% | "
-                     f"{100 * ours['frac_same_size_copy']:.0f}% | {'-' if not eager else format(eager['ms'], '.3f')} |")
+                     f"{100 * ours['frac_same_size_copy']:.0f}% | {ms(impls.get('ligermodels-torch-sort'))} | "
+                     f"{ms(impls.get('torch-eager'))} |")
+    chunks = sorted({r["chunk"] for r in rows if r["op"] == "place" and r["impl"].startswith("ligermodels-chunk-")})
+    if chunks:
+        lines += ["", "| place, us, by picks a chunk | " + " | ".join(str(c) for c in chunks) + " | chosen |",
+                  "|---" * (len(chunks) + 2) + "|"]
+        for (op, shape, _), impls in by.items():
+            if op == "place" and "ligermodels" in impls:
+                cells = " | ".join("-" if f"ligermodels-chunk-{c}" not in impls else
+                                   format(1000 * impls[f"ligermodels-chunk-{c}"]["ms"], ".1f") for c in chunks)
+                lines.append(f"| {shape} | {cells} | {impls['ligermodels']['chunk']} |")
     lines += ["", "| grouped GEMM (`torch._grouped_mm`) | pass | ms | TFLOP/s | dense GEMM of the same flops, TFLOP/s "
               "| grouped / dense |", "|---|---|---|---|---|---|"]
     for r in rows:

@@ -16,7 +16,7 @@ experts in Python:
 1. ``route``: one Triton kernel takes the (T, E) logits to fp32 softmax, top-k (ties to the lower expert id) and the
    renormalisation: (T, k) fp32 weights and int32 expert ids. Its backward needs only the weights and ids when
    ``norm_topk`` (the renormalised weights are the softmax of the k picked logits), the logits otherwise.
-2. ``place``: the M pairs' rows in their stable sort by expert, from two Triton kernels over chunks of 1024 picks:
+2. ``place``: the M pairs' rows in their stable sort by expert, from two Triton kernels over chunks of picks:
    a histogram of each chunk's experts, then each chunk sorted by (expert, pick) in registers, a pick's row being
    its place there shifted by its expert's rows in the other chunks and experts (from the histograms). ``pos[t,
    j]`` is pair (t, j)'s row, ``offs[e]`` the end of expert e's rows, and the weights are written in row order:
@@ -335,11 +335,12 @@ def _row_tile(cols: int) -> tuple[int, int]:
 
 
 def _place_tile(picks: int, experts: int) -> dict:
-    """Chunks of the placement kernels: 1024 picks (fewer for fewer picks), 4 warps; BLOCK_S chunks' counts a
-    load."""
+    """Chunks of the placement kernels: 256 to 1024 picks, as many as keep the chunks' counts (chunks x E, which
+    every program sums) near 16K values; 4 warps. On an H200 the register sort costs about 3.5, 4.5 and 8 us at
+    256, 512 and 1024 picks, and the sums grow with chunks^2 x E (``benchmarks/bench_moe.py``)."""
     block_e = row_block(experts)
-    return {"BLOCK": min(1024, row_block(picks)), "BLOCK_E": block_e, "BLOCK_S": max(1, 4096 // block_e),
-            "num_warps": 4}
+    block = min(1024, max(256, row_block(triton.cdiv(picks * block_e, 16384))), row_block(picks))
+    return {"BLOCK": block, "BLOCK_E": block_e, "BLOCK_S": max(1, 4096 // block_e), "num_warps": 4}
 
 
 @eager_op

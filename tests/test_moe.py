@@ -146,13 +146,17 @@ def test_routing_kernel_picks_what_torch_topk_picks_and_breaks_ties_to_the_lower
         assert rel_err(weights, expected) <= 1e-6
 
 
-@pytest.mark.parametrize("t, k, e, skew", [
-    (1, 1, 1, False), (7, 2, 8, False), (513, 3, 5, False), (300, 8, 128, True), (2000, 8, 128, False),
-    (4100, 2, 8, True), (64, 4, 60, False)])
-def test_placement_kernels_give_the_rows_of_torchs_stable_sort_by_expert(t, k, e, skew):
-    """Positions, weights in row order and group ends equal ``torch.sort``'s (stable) exactly: one pick, experts
-    without picks (skew: every pick among the first 3 experts), E not a power of two, and several scan steps of
-    4096 picks, the last one partial (2000 x 8 picks; 4100 x 2)."""
+@pytest.mark.parametrize("t, k, e, skew, tile", [
+    (1, 1, 1, False, None), (7, 2, 8, False, None), (513, 3, 5, False, None), (300, 8, 128, True, None),
+    (64, 4, 60, False, None), (250, 4, 37, False, {"BLOCK": 16, "BLOCK_S": 4}),
+    (301, 3, 8, True, {"BLOCK": 32, "BLOCK_S": 8})])
+def test_placement_kernels_give_the_rows_of_torchs_stable_sort_by_expert(t, k, e, skew, tile, monkeypatch):
+    """Positions, weights in row order and group ends equal ``torch.sort``'s (stable) exactly, with the weights'
+    gradient: one pick, experts without picks (skew: every pick among the first 3 experts), E not a power of two,
+    several chunks, the last one partial; with small chunks, more chunks than one load of their counts."""
+    if tile:
+        pick = kernels.moe._place_tile
+        monkeypatch.setattr(kernels.moe, "_place_tile", lambda picks, experts: {**pick(picks, experts), **tile})
     g = torch.Generator().manual_seed(t)
     if skew:
         ids = torch.stack([torch.randperm(3, generator=g)[:k] if k <= 3 else torch.randint(0, 3, (k,), generator=g)
