@@ -19,8 +19,9 @@ experts in Python:
 2. ``place``: the M pairs' rows in their stable sort by expert, from two Triton kernels over chunks of picks:
    a histogram of each chunk's experts, then each chunk sorted by (expert, pick) in registers, a pick's row being
    its place there shifted by its expert's rows in the other chunks and experts (from the histograms). ``pos[t,
-   j]`` is pair (t, j)'s row, ``offs[e]`` the end of expert e's rows, and the weights are written in row order:
-   device tensors, never read on the host (``sort_picks``, ``torch.sort``, is the reference).
+   j]`` is pair (t, j)'s row, ``offs[e]`` the end of expert e's rows, and the weights are written in row order
+   (their gradient is a gather back): device tensors, never read on the host (``sort_picks``, ``torch.sort``, is
+   the reference).
 3. ``expand``: x's rows copied to their k sorted rows (one read of x, k writes), the permutation.
 4. Grouped GEMMs (``torch._grouped_mm``, CUTLASS on sm90) for gate/up and down over the sorted rows.
 5. ``scaled_glu``: ``act(gate) * up * p`` in fp32, rounded once: the routing weight is applied here, to the down
@@ -336,8 +337,9 @@ def _row_tile(cols: int) -> tuple[int, int]:
 
 def _place_tile(picks: int, experts: int) -> dict:
     """Chunks of the placement kernels: 256 to 1024 picks, as many as keep the chunks' counts (chunks x E, which
-    every program sums) near 16K values; 4 warps. On an H200 the register sort costs about 3.5, 4.5 and 8 us at
-    256, 512 and 1024 picks, and the sums grow with chunks^2 x E (``benchmarks/bench_moe.py``)."""
+    every program sums) near 16K values; 4 warps. The register sort costs more per pick as the chunk grows, the
+    programs' sums grow with chunks^2 x E: this picks the fastest of 256, 512 and 1024 measured at both benchmark
+    shapes (docs/moe.md, ``benchmarks/bench_moe.py``)."""
     block_e = row_block(experts)
     block = min(1024, max(256, row_block(triton.cdiv(picks * block_e, 16384))), row_block(picks))
     return {"BLOCK": block, "BLOCK_E": block_e, "BLOCK_S": max(1, 4096 // block_e), "num_warps": 4}

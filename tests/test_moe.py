@@ -176,6 +176,14 @@ def test_placement_kernels_give_the_rows_of_torchs_stable_sort_by_expert(t, k, e
     assert torch.equal(weights.grad.reshape(-1)[order], dw)
 
 
+def test_placement_chunks_are_the_sizes_measured_fastest_at_the_benchmark_shapes():
+    """docs/moe.md's chunk sweep (bench_moe, H200): 512 picks at Qwen3-30B-A3B's 8192 x 8 picks over 128 experts,
+    256 at Mixtral-8x7B's 8192 x 2 over 8; never more chunk than picks."""
+    assert kernels.moe._place_tile(8192 * 8, 128)["BLOCK"] == 512
+    assert kernels.moe._place_tile(8192 * 2, 8)["BLOCK"] == 256
+    assert kernels.moe._place_tile(40, 128)["BLOCK"] == 64
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="host synchronisation is a CUDA notion")
 def test_moe_kernel_path_never_synchronises_with_the_host():
     args = [a.to(torch.bfloat16).cuda().requires_grad_() for a in _moe_args(300, 256, 128, 16, 0)]
