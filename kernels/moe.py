@@ -336,10 +336,10 @@ def _row_tile(cols: int) -> tuple[int, int]:
 
 
 def _place_tile(picks: int, experts: int) -> dict:
-    """Chunks of the placement kernels: 256 to 1024 picks (fewer if there are fewer), as many as keep the chunks' counts (chunks x E, which
-    every program sums) near 16K values; 4 warps. The register sort costs more per pick as the chunk grows, the
-    programs' sums grow with chunks^2 x E: this picks the fastest of 256, 512 and 1024 measured at both benchmark
-    shapes (docs/moe.md, ``benchmarks/bench_moe.py``)."""
+    """Chunks of the placement kernels: 256 to 1024 picks (fewer if there are fewer), as many as keep the chunks'
+    counts (chunks x E, which every program sums) near 16K values; 4 warps. The register sort costs more per pick as
+    the chunk grows, the programs' sums grow with chunks^2 x E: this picks the fastest of 256, 512 and 1024 measured
+    at both benchmark shapes (docs/moe.md, ``benchmarks/bench_moe.py``)."""
     block_e = row_block(experts)
     block = min(1024, max(256, row_block(triton.cdiv(picks * block_e, 16384))), row_block(picks))
     return {"BLOCK": block, "BLOCK_E": block_e, "BLOCK_S": max(1, 4096 // block_e), "num_warps": 4}
