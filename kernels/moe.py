@@ -217,10 +217,11 @@ def _place_kernel(id_ptr, w_ptr, cnt_ptr, pos_ptr, ws_ptr, offs_ptr, n_picks, n_
         c = tl.load(cnt_ptr + rows * BLOCK_E + cols[None, :], mask=rows < n_chunks, other=0)
         total += tl.sum(c, axis=0)
         before += tl.sum(tl.where(rows < s, c, 0), axis=0)
+    ends = tl.cumsum(total, axis=0)  # each expert's end row
     if s == 0:
-        tl.store(offs_ptr + cols, tl.cumsum(total, axis=0), mask=cols < n_experts)
+        tl.store(offs_ptr + cols, ends, mask=cols < n_experts)
     mine = tl.load(cnt_ptr + s * BLOCK_E + cols)
-    shift = tl.cumsum(total, axis=0) - total + before - (tl.cumsum(mine, axis=0) - mine)
+    shift = ends - total + before - (tl.cumsum(mine, axis=0) - mine)
     i = tl.arange(0, BLOCK)
     m = s * BLOCK + i
     e = tl.load(id_ptr + m, mask=m < n_picks, other=BLOCK_E)  # past the end: sorted last, not stored
@@ -349,7 +350,8 @@ def _place_tile(picks: int, experts: int) -> dict:
 @triton_op(f"{LIB}::moe_place", mutates_args={})
 def _place(ids: torch.Tensor, weights: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stable sort of the (T, k) int32 expert ids by expert, as placements: (pos (T, k) int32, each pick's
-    row; w_sorted (T*k,), the weights in row order; offs (E,) int32, each expert's end row)."""
+    row; w_sorted (T*k,), the weights in row order; offs (E,) int32, each expert's end row). ids and weights are
+    contiguous, as ``_route_fwd`` writes them."""
     m = ids.numel()
     pos = torch.empty(ids.shape, dtype=torch.int32, device=ids.device)
     w_sorted = torch.empty(m, dtype=weights.dtype, device=weights.device)
@@ -515,13 +517,13 @@ class RouteFunction(torch.autograd.Function):
 
 
 class PlaceFunction(torch.autograd.Function):
-    """``forward(ids (T, k) int32, weights (T, k), experts)`` -> (pos (T, k) int32, w_sorted (T*k,), offs (E,)
-    int32): the placement kernels (module docstring, step 2). Only w_sorted is differentiable: the gradient of
-    weights[t, j] is that of w_sorted[pos[t, j]], a gather."""
+    """``forward(ids (T, k) int32, weights (T, k), both contiguous, experts)`` -> (pos (T, k) int32, w_sorted
+    (T*k,), offs (E,) int32): the placement kernels (module docstring, step 2). Only w_sorted is differentiable:
+    the gradient of weights[t, j] is that of w_sorted[pos[t, j]], a gather."""
 
     @staticmethod
     def forward(ctx, ids: torch.Tensor, weights: torch.Tensor, experts: int):
-        pos, w_sorted, offs = _place(ids, weights.contiguous(), experts)
+        pos, w_sorted, offs = _place(ids, weights, experts)
         ctx.mark_non_differentiable(pos, offs)
         ctx.save_for_backward(pos)
         return pos, w_sorted, offs
